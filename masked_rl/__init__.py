@@ -1,0 +1,7 @@
+"""masked-rl: exact masked Generalized Advantage Estimation for TorchRL PPO."""
+
+from masked_rl.advantages import MaskedGAE
+from masked_rl.functional import masked_generalized_advantage_estimate, masked_standardize
+
+__all__ = ["MaskedGAE", "masked_generalized_advantage_estimate", "masked_standardize"]
+__version__ = "0.1.0"

@@ -1,0 +1,243 @@
+"""``MaskedGAE``: TorchRL's ``GAE`` over the trainable steps of each episode."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import dispatch
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.objectives.utils import hold_out_net
+from torchrl.objectives.value import GAE
+from torchrl.objectives.value.advantages import (
+    _self_set_grad_enabled,
+    _self_set_skip_existing,
+    _standardize_by_group,
+)
+
+from masked_rl.functional import (
+    check_loss_mask,
+    masked_generalized_advantage_estimate,
+    masked_standardize,
+)
+
+__all__ = ["MaskedGAE"]
+
+
+class MaskedGAE(GAE):
+    """Generalized Advantage Estimation over the trainable steps of each episode.
+
+    A drop-in :class:`~torchrl.objectives.value.GAE` for token streams that mix the
+    policy's own steps (``loss_mask == 1``) with steps it never chose (prompt tokens,
+    tool results, observations; ``loss_mask == 0``). Each episode is compressed to its
+    trainable steps and GAE runs on that subsequence (the semantics of
+    :func:`~masked_rl.masked_generalized_advantage_estimate`):
+
+    - a reward on a masked step is credited, undiscounted, to the last trainable step
+      before it (rewards before an episode's first trainable step are dropped);
+    - the advantage carry crosses a masked gap with exactly one ``gamma * lmbda``;
+    - an episode's last trainable step bootstraps from ``0`` if the episode terminated,
+      else from ``("next", "state_value")`` at the episode's last step;
+    - advantage and value target are exactly ``0`` at masked steps, and nothing stored
+      at a masked step but its reward can change any output (NaN and inf included);
+    - ``average_gae=True`` standardises with statistics over trainable steps only;
+      masked steps stay ``0``;
+    - with an all-ones mask the output equals :class:`~torchrl.objectives.value.GAE`'s.
+
+    Downstream, masked steps must also get no gradient: reduce the PPO loss over
+    trainable steps only (:func:`masked_rl.attach_masked_gae` and
+    :class:`masked_rl.MaskedClipPPOLoss` do it).
+
+    Args and keyword args are those of :class:`~torchrl.objectives.value.GAE` and keep
+    their meaning (``value_network`` or precomputed ``"state_value"`` /
+    ``("next", "state_value")``, ``average_gae``, ``group_key``, ``differentiable``,
+    ``skip_existing``, ``shifted``, ``device``, ``time_dim``, ``auto_reset_env``, value
+    chunking). ``vectorized`` is accepted and ignored: the estimator is always
+    vectorized and exact (no filter truncation).
+
+    Tensor keys (``set_keys``): those of ``GAE`` plus ``loss_mask`` (default
+    ``"loss_mask"``), read at the root of the input tensordict with shape ``[*B, T]`` or
+    ``[*B, T, 1]``; bool, or integers / floats holding only ``0`` and ``1`` (TorchRL's
+    Gymnasium wrapper delivers int8).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from masked_rl import MaskedGAE
+        >>> B, T = 2, 6
+        >>> done = torch.zeros(B, T, 1, dtype=torch.bool); done[:, -1] = True
+        >>> reward = torch.zeros(B, T, 1); reward[:, -1] = 1.0   # terminal reward on a masked step
+        >>> td = TensorDict({
+        ...     "loss_mask": torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 1, 0, 1, 0]], dtype=torch.int8),
+        ...     "state_value": torch.zeros(B, T, 1),
+        ...     "next": {"reward": reward, "done": done, "terminated": done,
+        ...              "state_value": torch.zeros(B, T, 1)},
+        ... }, batch_size=[B, T])
+        >>> td = MaskedGAE(gamma=1.0, lmbda=0.5, value_network=None)(td)
+        >>> td["advantage"].squeeze(-1)
+        tensor([[0.0000, 0.5000, 1.0000, 0.0000, 0.0000, 0.0000],
+                [0.0000, 0.0000, 0.5000, 0.0000, 1.0000, 0.0000]])
+    """
+
+    @dataclass
+    class _AcceptedKeys(GAE._AcceptedKeys):
+        """TorchRL's GAE keys plus ``loss_mask``.
+
+        Attributes:
+            loss_mask (NestedKey): root key of the per-step flag, ``1`` where the step is the
+                policy's own and trains, ``0`` where it was written by the environment.
+                Defaults to ``"loss_mask"``.
+        """
+
+        loss_mask: NestedKey = "loss_mask"
+
+    default_keys = _AcceptedKeys
+
+    @property
+    def loss_mask_key(self) -> NestedKey:
+        return self.tensor_keys.loss_mask
+
+    @property
+    def in_keys(self):
+        in_keys = super().in_keys
+        if self.tensor_keys.loss_mask not in in_keys:
+            in_keys = [*in_keys, self.tensor_keys.loss_mask]
+        return in_keys
+
+    @_self_set_skip_existing
+    @_self_set_grad_enabled
+    @dispatch
+    def forward(
+        self,
+        tensordict: TensorDictBase,
+        *,
+        params: TensorDictBase | None = None,
+        target_params: TensorDictBase | None = None,
+        time_dim: int | None = None,
+    ) -> TensorDictBase:
+        """Writes ``"advantage"`` and ``"value_target"`` (``[*B, T, 1]``, ``0`` at masked steps).
+
+        Args:
+            tensordict (TensorDictBase): a ``[*B, T]`` rollout with the ``loss_mask``,
+                ``("next", "reward")``, ``("next", "done")``, ``("next", "terminated")``
+                entries and either the value network's inputs or ``"state_value"`` and
+                ``("next", "state_value")``.
+
+        Keyword Args:
+            params, target_params: functional value-network parameters, as in ``GAE``.
+            time_dim (int, optional): overrides the estimator's ``time_dim``.
+        """
+        advantage, value_target = self._estimate(tensordict, params, target_params, time_dim)
+        tensordict.set(self.tensor_keys.advantage, advantage)
+        tensordict.set(self.tensor_keys.value_target, value_target)
+        return tensordict
+
+    def value_estimate(
+        self,
+        tensordict: TensorDictBase,
+        params: TensorDictBase | None = None,
+        target_params: TensorDictBase | None = None,
+        time_dim: int | None = None,
+        **kwargs,
+    ) -> Tensor:
+        """Returns the masked value target (``0`` at masked steps) without writing to ``tensordict``."""
+        return self._estimate(tensordict, params, target_params, time_dim, standardize=False)[1]
+
+    # -- internals ------------------------------------------------------------
+
+    @staticmethod
+    def _require(tensordict: TensorDictBase, key: NestedKey, hint: str = "") -> Tensor:
+        value = tensordict.get(key, None)
+        if value is None:
+            raise KeyError(
+                f"MaskedGAE needs the key {key!r} in the input tensordict{hint}; "
+                f"found keys {sorted(map(str, tensordict.keys(True, True)))}"
+            )
+        return value
+
+    def _values(
+        self,
+        tensordict: TensorDictBase,
+        params: TensorDictBase | None,
+        target_params: TensorDictBase | None,
+    ) -> tuple[Tensor, Tensor]:
+        """``V`` and ``V'`` from the value network, or read from the tensordict."""
+        value_key = self.tensor_keys.value
+        if self.value_network is None:
+            hint = " (no value_network was given, so values must be precomputed)"
+            return (
+                self._require(tensordict, value_key, hint),
+                self._require(tensordict, ("next", value_key), hint),
+            )
+        if params is not None:
+            params = params.detach()
+            if target_params is None:
+                target_params = params.clone(False)
+        frozen = params is None and target_params is None
+        with hold_out_net(self.value_network) if frozen else nullcontext():
+            value, next_value, valid = self._call_value_nets(
+                data=tensordict,
+                params=params,
+                next_params=target_params,
+                single_call=self.shifted,
+                value_key=value_key,
+                detach_next=True,
+                vmap_randomness=self.vmap_randomness,
+            )
+        if valid is not None:
+            tensordict.set("shifted_valid", valid)
+        return value, next_value
+
+    def _estimate(
+        self,
+        tensordict: TensorDictBase,
+        params: TensorDictBase | None,
+        target_params: TensorDictBase | None,
+        time_dim: int | None,
+        *,
+        standardize: bool = True,
+    ) -> tuple[Tensor, Tensor]:
+        if tensordict.batch_dims < 1:
+            raise RuntimeError(
+                "Expected the input tensordict to have at least one (time) dimension, got "
+                f"batch_size {list(tensordict.batch_size)}"
+            )
+        keys = self.tensor_keys
+        if tensordict.get(keys.steps_to_next_obs, None) is not None:
+            raise ValueError(
+                f"MaskedGAE does not support per-step discounting ({keys.steps_to_next_obs!r} "
+                "is present, e.g. from a MultiStep transform): the masked recursion needs one "
+                "gamma for the whole batch"
+            )
+        time_dim = self._get_time_dim(time_dim, tensordict)
+        value, next_value = self._values(tensordict, params, target_params)
+        valid = tensordict.get("shifted_valid", None)
+        data = self._prepare_shifted_tensordict(tensordict, valid, time_dim)
+        reward = self._require(data, ("next", keys.reward))
+        done = self._require(data, ("next", keys.done))
+        terminated = data.get(("next", keys.terminated), done)
+        reward, done, terminated = self._prepare_signals(reward, done, terminated, value)
+        if self.auto_reset_env:
+            truncated = self._broadcast_optional(self._require(tensordict, ("next", "truncated")), value)
+            reward = reward + self.gamma.to(reward.device) * value * truncated
+            terminated = done
+
+        mask = check_loss_mask(self._require(tensordict, keys.loss_mask), reward, key=keys.loss_mask)
+        if valid is not None:
+            mask = mask & self._expand_to_match(valid, mask)
+        advantage, value_target = masked_generalized_advantage_estimate(
+            self.gamma, self.lmbda, value, next_value, reward, done, terminated, mask, time_dim=time_dim
+        )
+        if standardize and self.average_gae:
+            groups = self._group_ids(tensordict)
+            if groups is None:
+                advantage = masked_standardize(advantage, mask)
+            else:
+                full_mask = mask.expand_as(advantage)
+                advantage = torch.where(
+                    full_mask, _standardize_by_group(advantage, groups, full_mask), 0.0
+                )
+        return advantage, value_target

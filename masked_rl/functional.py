@@ -1,0 +1,304 @@
+"""Masked Generalized Advantage Estimation as pure tensor functions.
+
+The semantics are fixed by the project's contract (``SPEC.md``): GAE runs on the
+compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episode.
+
+* A reward emitted on a masked step is credited, undiscounted, to the last
+  trainable step before it in the same episode (that action caused it). Rewards
+  on masked steps before an episode's first trainable step are dropped.
+* Between consecutive trainable steps ``t_j < t_{j+1}`` of an episode the
+  bootstrap value is ``V[t_{j+1}]`` and the advantage carry is multiplied by one
+  ``gamma * lmbda`` factor, however many masked steps lie between them. When the
+  two steps are adjacent, ``V'[t_j]`` is read instead (in a TorchRL rollout the
+  two are equal; reading ``V'`` makes an all-ones mask reproduce TorchRL's
+  ``GAE`` exactly, on any data).
+* After an episode's last trainable step, the bootstrap is taken at the episode's
+  last step ``e``: ``0`` if ``terminated[e]``, else ``V'[e]`` (truncation, or a row
+  cut before the episode ended).
+* Masked steps get exactly ``0`` advantage and value target. Nothing stored at a
+  masked step other than its reward (and ``V'[e]`` of a truncated episode end,
+  which *is* the bootstrap) can change any output, NaN and inf included.
+
+Implementation: the batch is flattened to one stream of length ``L = N * T``
+(every row end is an episode end, so rows cannot leak into each other), the
+trainable steps are compressed out with a single ``nonzero`` (the only host
+synchronisation), masked rewards are folded into their owner step with one
+``index_add_``, and the linear recurrence
+``A_j = delta_j + gamma * lmbda * A_{j+1}`` (reset at episode ends) is solved by a
+reverse doubling scan in ``ceil(log2(T))`` vectorized passes. Memory is linear in
+``L``; nothing of size ``T x T`` is built and no Python loop runs over rows,
+episodes or time steps.
+
+Reference: Schulman et al., "High-Dimensional Continuous Control Using
+Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "masked_generalized_advantage_estimate",
+    "masked_standardize",
+    "check_loss_mask",
+]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_loss_mask(loss_mask: Tensor, reference: Tensor, *, key: object = "loss_mask") -> Tensor:
+    """Validate a loss mask against a ``[*B, T, F]`` tensor and return it as bool, broadcastable to it.
+
+    Accepted: shape ``reference.shape[:-1]`` (``[*B, T]``) or ``reference.shape[:-1] + (1,)``
+    (``[*B, T, 1]``), dtype bool or any integer / floating dtype holding only ``0`` and ``1``.
+
+    Raises:
+        ValueError: naming ``key``, with the expected and the received shape or values.
+    """
+    if not isinstance(loss_mask, Tensor):
+        raise TypeError(f"{key} must be a torch.Tensor, got {type(loss_mask).__name__}")
+    ref_shape = tuple(reference.shape)
+    expected = (ref_shape[:-1], ref_shape[:-1] + (1,))
+    if tuple(loss_mask.shape) not in expected:
+        raise ValueError(
+            f"{key} must have shape {list(expected[0])} or {list(expected[1])} "
+            f"matching reward {list(ref_shape)}, got {list(loss_mask.shape)}"
+        )
+    if loss_mask.dtype != torch.bool:
+        if loss_mask.is_complex():
+            raise ValueError(f"{key} must be bool or hold only 0 and 1, got dtype {loss_mask.dtype}")
+        # One host synchronisation: a mask holding 0.5 or 2 is a bug upstream, never silently cast.
+        bad = (loss_mask != 0) & (loss_mask != 1)
+        if bool(bad.any()):
+            found = torch.unique(loss_mask[bad])[:5].tolist()
+            raise ValueError(
+                f"{key} must be bool or hold only 0 and 1, got {loss_mask.dtype} values {found}"
+            )
+        loss_mask = loss_mask != 0
+    if loss_mask.ndim == reference.ndim - 1:
+        loss_mask = loss_mask.unsqueeze(-1)
+    return loss_mask
+
+
+def _check_same_shape(reference_name: str, reference: Tensor, **tensors: Tensor) -> None:
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.shape != reference.shape:
+            raise ValueError(
+                f"{name} must have the shape of {reference_name} {list(reference.shape)}, "
+                f"got {list(tensor.shape)}"
+            )
+
+
+def _scan_levels(gamma_lmbda: float, horizon: int, dtype: torch.dtype) -> list[float]:
+    """Coefficients ``c**k`` (``k = 1, 2, 4, ...``) of the doubling scan.
+
+    A level is needed while ``k < horizon`` (no episode is longer than ``T`` steps)
+    and while ``c**k`` is representable in ``dtype``: once it underflows to exactly
+    zero, every further term is zero too, so stopping there drops nothing (unlike a
+    truncation threshold such as TorchRL's ``1e-7``).
+    """
+    coefficients = []
+    ck, k = gamma_lmbda, 1
+    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    while k < horizon and ck >= tiny:
+        coefficients.append(ck)
+        ck, k = ck * ck, 2 * k
+    return coefficients
+
+
+def _reverse_linear_scan(delta: Tensor, gate: Tensor, coefficients: list[float]) -> Tensor:
+    """Solve ``x_j = delta_j + c * gate_j * x_{j+1}`` (``x_{M} = 0``) over a 1-D stream.
+
+    ``gate`` is ``1`` where step ``j + 1`` continues ``j``'s episode and ``0`` at
+    episode ends; ``coefficients`` are ``c, c**2, c**4, ...``. After the level with
+    stride ``k``, ``x_j`` sums the window ``[j, j + 2k)`` and ``gate_j`` says whether
+    that window lies in one episode (Hillis-Steele doubling, ``O(M log M)`` work,
+    ``O(M)`` memory).
+    """
+    x = delta
+    if not coefficients:
+        return x
+    needs_grad = torch.is_grad_enabled() and delta.requires_grad
+    length = x.shape[0]
+    if needs_grad:
+        for level, ck in enumerate(coefficients):
+            k = 1 << level
+            if k >= length:
+                break
+            x = torch.cat((torch.addcmul(x[:-k], gate[:-k], x[k:], value=ck), x[-k:]))
+            gate = torch.cat((gate[:-k] * gate[k:], gate.new_zeros(k)))
+        return x
+    # Ping-pong buffers: one fused kernel per level and no allocation in the loop.
+    x, x_next = x.clone(), torch.empty_like(x)
+    gate, gate_next = gate.clone(), torch.empty_like(gate)
+    last = len(coefficients) - 1
+    for level, ck in enumerate(coefficients):
+        k = 1 << level
+        if k >= length:
+            break
+        torch.addcmul(x[:-k], gate[:-k], x[k:], value=ck, out=x_next[:-k])
+        x_next[-k:] = x[-k:]
+        x, x_next = x_next, x
+        if level < last:
+            torch.mul(gate[:-k], gate[k:], out=gate_next[:-k])
+            gate_next[-k:] = 0
+            gate, gate_next = gate_next, gate
+    return x
+
+
+def masked_generalized_advantage_estimate(
+    gamma: float | Tensor,
+    lmbda: float | Tensor,
+    state_value: Tensor,
+    next_state_value: Tensor,
+    reward: Tensor,
+    done: Tensor,
+    terminated: Tensor,
+    loss_mask: Tensor,
+    *,
+    time_dim: int = -2,
+) -> tuple[Tensor, Tensor]:
+    """GAE over the trainable steps of each episode (``loss_mask == 1``).
+
+    Args:
+        gamma (float or scalar Tensor): discount factor.
+        lmbda (float or scalar Tensor): GAE trace decay.
+        state_value (Tensor): ``V[t]``, shape ``[*B, T, F]`` (time at ``time_dim``).
+        next_state_value (Tensor): ``V'[t]``, the value of the observation reached by step ``t``.
+        reward (Tensor): ``r[t]`` (TorchRL's ``("next", "reward")``).
+        done (Tensor): ``d[t]``, episode ends after step ``t`` (``("next", "done")``).
+        terminated (Tensor): ``k[t]``, the episode terminated at ``t`` (zero bootstrap).
+            Where ``done`` and not ``terminated`` the episode was truncated (bootstrap ``V'``).
+        loss_mask (Tensor): ``m[t]``, one flag per step, shape ``[*B, T]`` or ``[*B, T, 1]``,
+            bool or numbers holding only 0 and 1. ``1`` marks the policy's own steps.
+
+    Keyword Args:
+        time_dim (int): the time dimension of the ``[*B, T, F]`` tensors. Defaults to ``-2``.
+
+    Returns:
+        ``(advantage, value_target)``, each of ``state_value``'s shape and dtype, exactly ``0``
+        at masked steps. float16 / bfloat16 inputs are computed in float32.
+
+    Every row's last step ends an episode (a cut row bootstraps from ``V'``). All tensors but
+    ``loss_mask`` must share ``state_value``'s shape. The only host synchronisations are one
+    ``nonzero`` and, for a non-bool ``loss_mask``, the check that it holds only 0 and 1 (and
+    ``float()`` of ``gamma * lmbda`` if they are CUDA tensors).
+
+    Examples:
+        >>> import torch
+        >>> from masked_rl import masked_generalized_advantage_estimate
+        >>> mask = torch.tensor([[1, 0, 0, 0, 0, 1]])            # [B, T]
+        >>> reward = torch.zeros(1, 6, 1); reward[0, -1] = 2.0   # [B, T, 1]
+        >>> value = torch.zeros(1, 6, 1)
+        >>> done = torch.zeros(1, 6, 1, dtype=torch.bool); done[0, -1] = True
+        >>> adv, target = masked_generalized_advantage_estimate(
+        ...     0.9, 0.5, value, value, reward, done, done, mask)
+        >>> adv.squeeze(-1)
+        tensor([[0.9000, 0.0000, 0.0000, 0.0000, 0.0000, 2.0000]])
+    """
+    _check_same_shape(
+        "state_value",
+        state_value,
+        next_state_value=next_state_value,
+        reward=reward,
+        done=done,
+        terminated=terminated,
+    )
+    if state_value.ndim < 2:
+        raise ValueError(
+            f"state_value must have shape [*B, T, F] with a trailing feature dim, "
+            f"got {list(state_value.shape)}"
+        )
+    ndim = state_value.ndim
+    if not -ndim <= time_dim < ndim or time_dim % ndim == ndim - 1:
+        raise ValueError(
+            f"time_dim must index a dim of state_value {list(state_value.shape)} other than "
+            f"the trailing feature dim, got {time_dim}"
+        )
+    time_dim %= ndim
+    mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
+
+    out_dtype = state_value.dtype
+    if not out_dtype.is_floating_point:
+        raise ValueError(f"state_value must be a floating tensor, got {out_dtype}")
+    dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+    horizon = state_value.shape[time_dim]
+    if state_value.numel() == 0:
+        return torch.zeros_like(state_value), torch.zeros_like(state_value)
+
+    def stream(x: Tensor) -> Tensor:
+        # [*B, T, F] -> [N * T] with time fastest, so each row is a contiguous run.
+        return x.movedim(time_dim, -1).reshape(-1)
+
+    value = stream(state_value).to(dtype)
+    next_value = stream(next_state_value).to(dtype)
+    rew = stream(reward).to(dtype)
+    m = stream(mask)
+    term = stream(terminated).to(torch.bool)
+    end = stream(done).to(torch.bool).clone()
+    end.view(-1, horizon)[:, -1] = True  # a row's last step ends its episode
+    gamma_t = gamma.to(device=value.device, dtype=dtype) if isinstance(gamma, Tensor) else gamma
+    gamma_lmbda = float(gamma * lmbda)
+
+    # Compressed stream of trainable steps: position pos[j] of the j-th one.
+    pos = m.nonzero().squeeze(-1)
+    if pos.numel() == 0:
+        return torch.zeros_like(state_value), torch.zeros_like(state_value)
+    # Episode id of every step, and of every trainable step.
+    episode = torch.cumsum(end, 0) - end.to(torch.int64)
+    episode_c = episode[pos]
+    # Owner of step u: the last trainable step at or before u, if it is in u's episode.
+    count = torch.cumsum(m, 0)
+    owner = (count - 1).clamp_(min=0)
+    owned = (count > 0) & (episode_c[owner] == episode)
+    # Everything owned is credited to the owner: rewards of masked steps after it, and at
+    # the episode's last step the bootstrap gamma * V'[e] (zero if terminated).
+    bootstrap = torch.where(term, torch.zeros_like(next_value), next_value)
+    credit = torch.where(owned, rew, 0.0) + torch.where(owned & end, gamma_t * bootstrap, 0.0)
+    delta = torch.zeros(pos.numel(), dtype=dtype, device=value.device).index_add_(0, owner, credit)
+
+    value_c = value[pos]
+    continues = episode_c[1:] == episode_c[:-1]  # the next trainable step is in the same episode
+    adjacent = pos[1:] == pos[:-1] + 1
+    next_value_c = torch.where(adjacent, next_value[pos[:-1]], value_c[1:])
+    delta[:-1] += torch.where(continues, gamma_t * next_value_c, 0.0)
+    delta = delta - value_c
+    gate = torch.cat((continues, continues.new_zeros(1))).to(dtype)
+
+    advantage_c = _reverse_linear_scan(delta, gate, _scan_levels(gamma_lmbda, horizon, dtype))
+
+    def unstream(x: Tensor) -> Tensor:
+        full = torch.zeros(m.shape, dtype=dtype, device=x.device).index_put((pos,), x)
+        moved_shape = state_value.movedim(time_dim, -1).shape
+        return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
+
+    return unstream(advantage_c), unstream(advantage_c + value_c)
+
+
+def masked_standardize(
+    advantage: Tensor, loss_mask: Tensor, *, eps: float = 1e-4
+) -> Tensor:
+    """Standardise ``advantage`` with mean and std over trainable steps only.
+
+    Args:
+        advantage (Tensor): ``[*B, T, F]``.
+        loss_mask (Tensor): bool, broadcastable to ``advantage`` (e.g. ``[*B, T, 1]``).
+
+    Returns:
+        ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps.
+        The std is the unbiased std over trainable steps, clamped at ``eps`` (``1e-4``, as in
+        TorchRL), so an all-ones mask gives exactly ``(adv - adv.mean()) / adv.std()``.
+    """
+    mask = loss_mask.expand_as(advantage)
+    weight = mask.to(advantage.dtype)
+    count = weight.sum().clamp_min(1)
+    masked_adv = torch.where(mask, advantage, 0.0)
+    loc = masked_adv.sum() / count
+    centred = torch.where(mask, advantage - loc, 0.0)
+    scale = (centred.pow(2).sum() / (count - 1).clamp_min(1)).sqrt().clamp_min(eps)
+    return centred / scale
