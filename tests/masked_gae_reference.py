@@ -1,0 +1,73 @@
+"""The plain serial reference for SPEC.md, and random rollout data for the estimator tests.
+
+Importable from any test module (``pythonpath = ["tests"]`` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask):
+    """SPEC.md, read literally, for one row of plain Python floats (time only, no features).
+
+    Deliberately naive: one episode at a time, one trainable step at a time.
+    Returns ``(advantage, value_target)`` as lists.
+    """
+    horizon = len(value)
+    advantage = [0.0] * horizon
+    target = [0.0] * horizon
+    start = 0
+    while start < horizon:
+        end = start
+        while not done[end] and end < horizon - 1:
+            end += 1
+        steps = [t for t in range(start, end + 1) if mask[t]]
+        carry = 0.0
+        for j in reversed(range(len(steps))):
+            t = steps[j]
+            last = j == len(steps) - 1
+            stop = end + 1 if last else steps[j + 1]
+            effective_reward = reward[t] + sum(reward[u] for u in range(t + 1, stop))
+            if last:
+                bootstrap = 0.0 if terminated[end] else next_value[end]
+            else:
+                bootstrap = value[steps[j + 1]]
+            delta = effective_reward + gamma * bootstrap - value[t]
+            carry = delta + gamma * lmbda * carry
+            advantage[t] = carry
+            target[t] = carry + value[t]
+        start = end + 1
+    return advantage, target
+
+
+def serial_masked_gae_batch(gamma, lmbda, value, next_value, reward, done, terminated, mask):
+    """:func:`serial_masked_gae` over ``[B, T, 1]`` tensors (mask ``[B, T]``), float64 out."""
+    rows = []
+    for b in range(value.shape[0]):
+        args = [x[b].reshape(-1).tolist() for x in (value, next_value, reward, done, terminated, mask)]
+        rows.append(serial_masked_gae(gamma, lmbda, *args))
+    advantage = torch.tensor([r[0] for r in rows], dtype=torch.float64).unsqueeze(-1)
+    target = torch.tensor([r[1] for r in rows], dtype=torch.float64).unsqueeze(-1)
+    return advantage, target
+
+
+def make_rollout(batch, horizon, *, p_mask=0.5, p_done=0.1, p_term=0.5, seed=0, dtype=torch.float64,
+                 consistent=True):
+    """Random ``[B, T, 1]`` data. With ``consistent``, ``V'[t] == V[t+1]`` inside episodes, as in
+    a TorchRL rollout (``V'`` is fresh at episode ends). Mask is ``[B, T]`` bool."""
+    g = torch.Generator().manual_seed(seed)
+    value = torch.randn(batch, horizon, 1, generator=g, dtype=dtype)
+    reward = torch.randn(batch, horizon, 1, generator=g, dtype=dtype)
+    done = torch.rand(batch, horizon, 1, generator=g) < p_done
+    terminated = done & (torch.rand(batch, horizon, 1, generator=g) < p_term)
+    mask = torch.rand(batch, horizon, generator=g) < p_mask
+    fresh = torch.randn(batch, horizon, 1, generator=g, dtype=dtype)
+    if consistent:
+        shifted = torch.cat((value[:, 1:], fresh[:, -1:]), dim=1)
+        next_value = torch.where(done, fresh, shifted)
+        next_value[:, -1:] = fresh[:, -1:]
+    else:
+        next_value = fresh
+    return value, next_value, reward, done, terminated, mask
+
