@@ -86,12 +86,23 @@ class MaskedGAE(GAE):
     class _AcceptedKeys(GAE._AcceptedKeys):
         """TorchRL's GAE keys plus ``loss_mask``.
 
+        TorchRL's ``set_keys`` only accepts names found in this class's own ``__dict__``,
+        so the inherited keys are declared again (same defaults as ``GAE``).
+
         Attributes:
             loss_mask (NestedKey): root key of the per-step flag, ``1`` where the step is the
                 policy's own and trains, ``0`` where it was written by the environment.
                 Defaults to ``"loss_mask"``.
         """
 
+        advantage: NestedKey = "advantage"
+        value_target: NestedKey = "value_target"
+        value: NestedKey = "state_value"
+        reward: NestedKey = "reward"
+        done: NestedKey = "done"
+        terminated: NestedKey = "terminated"
+        steps_to_next_obs: NestedKey = "steps_to_next_obs"
+        sample_log_prob: NestedKey | None = None
         loss_mask: NestedKey = "loss_mask"
 
     default_keys = _AcceptedKeys
