@@ -7,8 +7,9 @@ masked prompt (32 to 128 steps), then alternating trainable agent blocks (16 to 
 masked observation blocks (32 to 512), cut at ``T``; the episode terminates on the row's
 last step with a reward there (often on a masked observation step, so it must be folded).
 
-Implementations, timed in one process, interleaved (one call of each per round, the
-order rotated every round), median of the rounds:
+Implementations, timed in one process, interleaved (one sample of each per round, in a
+fresh seeded order every round), median of the rounds; a sample of a fast implementation
+repeats its call back to back until it spans ``--min-time-ms``:
 
 ``ours``
     :func:`masked_rl.masked_generalized_advantage_estimate` on ``[N, T, 1]`` tensors.
@@ -47,6 +48,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -414,6 +416,14 @@ def cuda_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (``None`` where the OS has none): busy CPUs skew timings."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -531,8 +541,11 @@ def _parser() -> argparse.ArgumentParser:
                         + " on CUDA)")
     parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--repeats", type=int, default=7, help="timed rounds per shape (median)")
+    parser.add_argument("--repeats", type=int, default=11, help="timed rounds per shape (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    parser.add_argument("--min-time-ms", type=float, default=50.0,
+                        help="a timed sample repeats a fast call back to back until it spans "
+                        "about this long (calibrated in the last warmup round; default 50)")
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--lmbda", type=float, default=0.95)
     parser.add_argument("--chunk", type=int, default=64, help="chunk of the per-sample scan")
@@ -541,6 +554,8 @@ def _parser() -> argparse.ArgumentParser:
                         default=list(IMPLEMENTATIONS), metavar="NAME",
                         help="subset of: " + ", ".join(IMPLEMENTATIONS)
                         + " (a ratio needs its reference: ours / ours_all_ones)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for the run (default: torch's choice)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
     parser.add_argument("--out", type=Path, default=Path("bench_results"),
                         help="folder for bench.csv and bench.json (default bench_results/)")
@@ -581,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
         print("masked-rl bench: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    load_before = _load_average()
     shapes = args.shapes or list(DEFAULT_SHAPES) + (list(CUDA_EXTRA_SHAPES)
                                                    if device.type == "cuda" else [])
     keys = [k for k in IMPLEMENTATIONS if k in args.implementations]
@@ -589,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     total = len(shapes) * (rounds * len(keys) + (len(keys) if measure_memory else 0))
 
     results, agreement = [], {}
+    shuffler = random.Random(args.seed)
     with torch.no_grad(), tqdm(total=total, desc="bench", unit="call", file=sys.stderr) as bar:
         for batch, steps in shapes:
             bar.set_postfix_str(f"{batch}x{steps}")
@@ -604,16 +623,24 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             del outputs
             times: dict[str, list[float]] = {key: [] for key in keys}
+            calls = dict.fromkeys(keys, 1)
             for round_index in range(rounds):
-                # Rotate the order so no implementation always runs right after another.
-                order = keys[round_index % len(keys):] + keys[:round_index % len(keys)]
+                # A fresh order every round: no implementation always runs right after another
+                # (the allocator and cache state one call leaves skews the next).
+                order = shuffler.sample(keys, len(keys))
                 for key in order:
                     _synchronize(device)
                     start = time.perf_counter()
-                    fns[key]()
+                    for _ in range(calls[key]):
+                        fns[key]()
                     _synchronize(device)
+                    per_call = (time.perf_counter() - start) / calls[key]
                     if round_index >= args.warmup:
-                        times[key].append(time.perf_counter() - start)
+                        times[key].append(per_call)
+                    elif round_index == args.warmup - 1:
+                        # Fast calls repeat back to back within a round, so that a sample
+                        # spans --min-time-ms rather than one scheduler hiccup.
+                        calls[key] = max(1, min(1000, round(args.min_time_ms / 1e3 / per_call)))
                     bar.update()
             peaks: dict[str, int | None] = {key: None for key in keys}
             if measure_memory:
@@ -634,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_to": reference,
                     "peak_bytes": peaks[key],
                     "repeats": args.repeats,
+                    "calls_per_sample": calls[key],
+                    "min_ms": min(times[key]) * 1e3,
                     "times_ms": [t * 1e3 for t in times[key]],
                 })
 
@@ -641,14 +670,25 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": "CUDA max_memory_allocated beyond the inputs",
         "cpu": "CPU allocator events of torch.profiler replayed, beyond the inputs",
     }[device.type]
+    load_after = _load_average()
     header = [
         f"masked-rl bench: device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
-        f"gamma={args.gamma} lmbda={args.lmbda} median of {args.repeats} interleaved rounds",
+        f"gamma={args.gamma} lmbda={args.lmbda} median of {args.repeats} interleaved rounds "
+        f"(fast calls repeated to ~{args.min_time_ms:g} ms a sample); "
+        f"1-min load average {load_before} before, {load_after} after "
+        f"on {os.cpu_count()} CPUs (other processes skew CPU timings)",
         "x ours = median / median of ours on the same mask (masked rows: masked_gae function; "
         "all-ones rows: masked_gae with an all-ones mask); > 1 means ours is faster",
         f"peak MiB = peak live bytes allocated during one call, outputs included ({memory_note})"
         if measure_memory else "peak MiB: not measured (--no-memory)",
     ]
+    busy = max(load_before or 0.0, load_after or 0.0)
+    if device.type == "cpu" and busy > 0.5 * (os.cpu_count() or 1):
+        header.append(
+            f"WARNING: load average {busy} on {os.cpu_count()} CPUs: other processes hold the "
+            "cores, and every multi-threaded torch op waits for a descheduled thread; "
+            "vectorized implementations suffer most. Rerun on an idle machine or with --threads 1."
+        )
     print(_format_table(results, header))
     targets = evaluate_targets(results)
     if targets:
@@ -659,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     fields = ["batch", "steps", "implementation", "label", "median_ms", "ratio", "ratio_to",
-              "peak_bytes", "repeats"]
+              "peak_bytes", "min_ms", "repeats", "calls_per_sample"]
     with open(args.out / "bench.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -673,6 +713,9 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "load_average_1min_before": load_before,
+            "load_average_1min_after": load_after,
             "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else platform.processor() or platform.machine()),
         },

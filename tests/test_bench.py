@@ -203,7 +203,7 @@ def test_bench_command_writes_table_csv_and_json(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
         [sys.executable, "-m", "masked_rl.cli", "bench", "--shapes", "3x300", "2x64",
-         "--repeats", "2", "--dtype", "float64", "--out", str(out)],
+         "--repeats", "2", "--min-time-ms", "5", "--dtype", "float64", "--out", str(out)],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
