@@ -682,17 +682,19 @@ def main(argv: list[str] | None = None) -> int:
         f"peak MiB = peak live bytes allocated during one call, outputs included ({memory_note})"
         if measure_memory else "peak MiB: not measured (--no-memory)",
     ]
-    busy = max(load_before or 0.0, load_after or 0.0)
-    if device.type == "cpu" and busy > 0.5 * (os.cpu_count() or 1):
+    # The load before the run is other processes' (ours had not started computing yet).
+    if (device.type == "cpu" and load_before is not None
+            and load_before + torch.get_num_threads() > (os.cpu_count() or 1) + 0.5):
         header.append(
-            f"WARNING: load average {busy} on {os.cpu_count()} CPUs: other processes hold the "
-            "cores, and every multi-threaded torch op waits for a descheduled thread; "
-            "vectorized implementations suffer most. Rerun on an idle machine or with --threads 1."
+            f"WARNING: load average {load_before} before the run, on {os.cpu_count()} CPUs with "
+            f"{torch.get_num_threads()} torch threads: other processes hold the cores, and "
+            "every multi-threaded torch op waits for a descheduled thread; vectorized "
+            "implementations suffer most. Rerun on an idle machine or with --threads 1."
         )
     print(_format_table(results, header))
     targets = evaluate_targets(results)
     if targets:
-        print("\ntargets (CPU, from this run):")
+        print(f"\ntargets (set for CPU; measured on {device.type} in this run):")
         for t in targets:
             values = ", ".join(f"{shape} {value:.2f}" for shape, value in t["measured"].items())
             print(f"  [{'met' if t['passed'] else 'MISSED'}] {t['target']}: {values}")
