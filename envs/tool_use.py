@@ -212,9 +212,9 @@ class ToolUseEnv(gym.Env):
 
     ## Information
     `reset` and `step` return the same keys:
-    - `"is_success"` (bool): the answer has been written and all of it is correct.
-    - `"num_tool_calls"` (int): response blocks served so far (results and errors).
-    - `"num_agent_tokens"` (int): agent steps taken so far.
+    - `"is_success"` (`np.bool_`): the answer has been written and all of it is correct.
+    - `"num_tool_calls"` (`np.int64`): response blocks served so far (results and errors).
+    - `"num_agent_tokens"` (`np.int64`): agent steps taken so far.
 
     ## Arguments
     ```python
@@ -442,10 +442,11 @@ class ToolUseEnv(gym.Env):
         return {"tokens": tokens, "loss_mask": np.array([agent_next], dtype=np.int8)}
 
     def _info(self) -> dict[str, Any]:
+        # NumPy scalars: TorchRL's info reader needs a dtype on every value.
         return {
-            "is_success": self._is_success,
-            "num_tool_calls": self._num_tool_calls,
-            "num_agent_tokens": self._num_agent_tokens,
+            "is_success": np.bool_(self._is_success),
+            "num_tool_calls": np.int64(self._num_tool_calls),
+            "num_agent_tokens": np.int64(self._num_agent_tokens),
         }
 
     # -- hidden state, for tests and debugging (the agent never sees it) -------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from functools import partial
 
+VECTORIZATIONS = ("sync", "async")
+
 
 def _qualified_id(env_id: str) -> str:
     # "module:Namespace/Name-v0" makes gymnasium import the registering module first, which
@@ -13,16 +15,62 @@ def _qualified_id(env_id: str) -> str:
     return env_id
 
 
-def _gym_env(env_id: str, num_envs: int, device, categorical_action_encoding: bool, env_kwargs):
-    from torchrl.envs import GymEnv
+def _final_observation_in_final_info(vector_env):
+    """Copy each key of the final observations into ``info["final_info"]``.
 
-    if num_envs > 1:
-        env_kwargs = {**env_kwargs, "num_envs": num_envs}
-    return GymEnv(
+    TorchRL 0.14's reader of auto-reset vector envs (``terminal_obs_reader``) looks the final
+    observation of a ``Dict`` space up per key in ``info["final_info"]`` and otherwise writes
+    zeros: every episode's last ``("next", "tokens")`` would be all ``<pad>``, and a truncated
+    episode would bootstrap from the value of that empty window instead of its last one.
+    """
+    import gymnasium as gym
+    import numpy as np
+
+    spaces = vector_env.single_observation_space.spaces
+
+    class FinalObservationInFinalInfo(gym.vector.VectorWrapper):
+        @property
+        def autoreset_mode(self):  # read by GymWrapper
+            return self.env.autoreset_mode
+
+        def step(self, actions):
+            obs, reward, terminated, truncated, infos = self.env.step(actions)
+            if "final_obs" in infos:
+                final_info = dict(infos.get("final_info", {}))
+                for key, space in spaces.items():
+                    stacked = np.zeros((self.num_envs, *space.shape), dtype=space.dtype)
+                    for i in np.flatnonzero(infos["_final_obs"]):
+                        stacked[i] = infos["final_obs"][i][key]
+                    final_info[key] = stacked
+                infos = {**infos, "final_info": final_info}
+            return obs, reward, terminated, truncated, infos
+
+    return FinalObservationInFinalInfo(vector_env)
+
+
+def _single_worker_env(env_id, num_envs, vectorization, device, categorical_action_encoding, env_kwargs):
+    import gymnasium as gym
+    from torchrl.envs import GymEnv, GymWrapper
+
+    if num_envs == 1:
+        env = GymEnv(
+            env_id, device=device, categorical_action_encoding=categorical_action_encoding, **env_kwargs
+        )
+        env.auto_register_info_dict()  # vector envs below come with an info reader already
+        return env
+    # TorchRL reads gymnasium >= 1.1 vector envs only in the SAME_STEP auto-reset mode, where
+    # the info of a done step is the finished episode's (GymEnv(num_envs=...) loses it).
+    vector_env = gym.make_vec(
         env_id,
-        device=device,
-        categorical_action_encoding=categorical_action_encoding,
+        num_envs=num_envs,
+        vectorization_mode=vectorization,
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
         **env_kwargs,
+    )
+    return GymWrapper(
+        _final_observation_in_final_info(vector_env),
+        categorical_action_encoding=categorical_action_encoding,
+        device=device,
     )
 
 
@@ -32,38 +80,59 @@ def make_torchrl_env(
     workers: int = 1,
     device="cpu",
     *,
+    vectorization: str = "sync",
     serial: bool = False,
     categorical_action_encoding: bool = True,
     seed: int | None = None,
     **env_kwargs,
 ):
-    """A TorchRL environment running ``env_id`` with batch size ``[workers * num_envs]``.
+    """``env_id`` as a TorchRL environment with batch size ``[]``, ``[num_envs]``,
+    ``[workers]`` or ``[workers, num_envs]``.
 
     - ``workers == 1, num_envs == 1``: a ``GymEnv``, batch size ``[]``.
-    - ``workers == 1, num_envs > 1``: a ``GymEnv`` over a gymnasium ``AsyncVectorEnv``
-      (one subprocess per env), batch size ``[num_envs]``.
-    - ``workers > 1``: a ``ParallelEnv`` (``SerialEnv`` if ``serial``) of ``workers`` such
-      environments, batch size ``[workers]`` or ``[workers, num_envs]``.
+    - ``workers == 1, num_envs > 1``: batch size ``[num_envs]``. ``vectorization="sync"``
+      (default): a ``GymWrapper`` over gymnasium's ``SyncVectorEnv`` (``SAME_STEP``
+      auto-reset), every env stepped in this process, which is the fastest for these
+      microsecond environments; ``"async"``: over gymnasium's ``AsyncVectorEnv``, one
+      subprocess per env.
+    - ``workers > 1``: a ``ParallelEnv`` (``SerialEnv`` if ``serial``) of ``workers`` copies
+      of the above.
 
-    Nothing else is appended (no transform). Keys of a step, per environment:
-    ``"tokens"`` int64 ``[W]``, ``"loss_mask"`` int8 ``[1]``, ``"action"`` int64 ``[]`` (the
-    token id; one-hot ``[V]`` if ``categorical_action_encoding=False``), ``"done"``,
-    ``"terminated"``, ``"truncated"`` bool ``[1]``, and ``("next", "reward")`` float32 ``[1]``.
-    In a rollout the root ``"loss_mask"`` at step ``t`` is that of the observation the action
-    was taken from, so it says whether ``"action"`` at ``t`` is the agent's; the terminal
-    reward sits in ``("next", "reward")`` of the last, masked step.
+    No transform is appended. Keys of a step, per environment: ``"tokens"`` int64 ``[W]``,
+    ``"loss_mask"`` int8 ``[1]``, ``"action"`` int64 ``[]`` (the token id; one-hot int64
+    ``[V]`` if ``categorical_action_encoding=False``), ``"done"``, ``"terminated"``,
+    ``"truncated"`` bool ``[1]``, and ``("next", "reward")`` float32 ``[1]``. In a rollout
+    the root ``"loss_mask"`` at step ``t`` belongs to the observation the action was taken
+    from: it says whether ``"action"`` at ``t`` is the agent's. The terminal reward sits in
+    ``("next", "reward")`` of the episode's last step, a masked one. The info dict is read
+    into ``"is_success"`` (bool ``[]``), ``"num_tool_calls"`` and ``"num_agent_tokens"``
+    (int64 ``[]``); ``("next", "is_success")`` on a done step tells whether that episode
+    was solved.
 
-    ``env_kwargs`` go to the environment constructor (``response_len=24``, ``max_steps=...``).
-    ``seed`` calls ``env.set_seed(seed)``.
+    ``env_kwargs`` go to the environment constructor (``response_len=24``, ``max_steps=...``);
+    ``seed`` calls ``env.set_seed(seed)``. Subprocess-based variants (``"async"``,
+    ``ParallelEnv``) start workers with TorchRL's ``spawn`` method: call them under
+    ``if __name__ == "__main__":`` in scripts.
+
+    Example:
+        >>> import masked_rl_envs
+        >>> env = masked_rl_envs.make_torchrl_env(num_envs=4, seed=0)
+        >>> policy = masked_rl_envs.OraclePolicy.from_id("MaskedRL/ToolUse-v0").as_module()
+        >>> rollout = env.rollout(44, policy)
+        >>> rollout["next", "reward"][rollout["next", "terminated"]].tolist()
+        [1.0, 1.0, 1.0, 1.0]
     """
     if not isinstance(num_envs, int) or num_envs < 1:
         raise ValueError(f"num_envs must be an integer >= 1, got {num_envs!r}")
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    if vectorization not in VECTORIZATIONS:
+        raise ValueError(f"vectorization must be one of {VECTORIZATIONS}, got {vectorization!r}")
     make = partial(
-        _gym_env,
+        _single_worker_env,
         _qualified_id(env_id),
         num_envs,
+        vectorization,
         device,
         categorical_action_encoding,
         env_kwargs,
