@@ -689,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
             f"WARNING: load average {load_before} before the run, on {os.cpu_count()} CPUs with "
             f"{torch.get_num_threads()} torch threads: other processes hold the cores, and "
             "every multi-threaded torch op waits for a descheduled thread; vectorized "
-            "implementations suffer most. Rerun on an idle machine or with --threads 1."
+            "implementations suffer most. Rerun on an idle machine"
+            + (" or with --threads 1." if torch.get_num_threads() > 1 else ".")
         )
     print(_format_table(results, header))
     targets = evaluate_targets(results)
