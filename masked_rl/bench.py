@@ -590,7 +590,10 @@ def _format_table(results: list[dict], header: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit code (1 if implementations disagree)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
+        parser.error("--repeats and --chunk must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("masked-rl bench: --device cuda but CUDA is not available", file=sys.stderr)
