@@ -113,42 +113,46 @@ def _scan_levels(gamma_lmbda: float, horizon: int, dtype: torch.dtype) -> list[f
 
 
 def _reverse_linear_scan(delta: Tensor, gate: Tensor, coefficients: list[float]) -> Tensor:
-    """Solve ``x_j = delta_j + c * gate_j * x_{j+1}`` (``x_{M} = 0``) over a 1-D stream.
+    """Solve ``x_j = delta_j + c * x_{j+1}`` where ``gate_j`` (``x_j = delta_j`` elsewhere).
 
-    Without autograd, ``delta`` and ``gate`` are overwritten (they serve as buffers).
+    ``gate`` (bool) is true where step ``j + 1`` continues ``j``'s episode; ``coefficients``
+    are ``c, c**2, c**4, ...``. After the level with stride ``k``, ``x_j`` sums the window
+    ``[j, j + 2k)`` and ``gate_j`` says whether that window lies in one episode
+    (Hillis-Steele doubling: ``O(M log M)`` work, ``O(M)`` memory). Without autograd,
+    ``delta`` and ``gate`` are overwritten (they serve as buffers).
 
-    ``gate`` is ``1`` where step ``j + 1`` continues ``j``'s episode and ``0`` at
-    episode ends; ``coefficients`` are ``c, c**2, c**4, ...``. After the level with
-    stride ``k``, ``x_j`` sums the window ``[j, j + 2k)`` and ``gate_j`` says whether
-    that window lies in one episode (Hillis-Steele doubling, ``O(M log M)`` work,
-    ``O(M)`` memory).
+    A window crossing an episode end must contribute exactly nothing, also when the other
+    episode holds NaN or inf (``0 * inf`` is NaN): the carry is selected with ``where``.
+    On the CPU, when every ``delta`` is finite, a fused multiply by the 0/1 gate is used
+    instead: it gives the same bits at about half the cost.
     """
     x = delta
-    if not coefficients:
-        return x
-    needs_grad = torch.is_grad_enabled() and delta.requires_grad
     length = x.shape[0]
-    if needs_grad:
-        for level, ck in enumerate(coefficients):
-            k = 1 << level
-            if k >= length:
-                break
-            x = torch.cat((torch.addcmul(x[:-k], gate[:-k], x[k:], value=ck), x[-k:]))
-            gate = torch.cat((gate[:-k] * gate[k:], gate.new_zeros(k)))
+    levels = [(1 << level, ck) for level, ck in enumerate(coefficients) if (1 << level) < length]
+    if not levels:
         return x
-    # Ping-pong buffers (overwriting delta and gate): one fused kernel per level and no
-    # allocation in the loop.
-    x_next = torch.empty_like(x)
-    gate_next = torch.empty_like(gate)
-    last = len(coefficients) - 1
-    for level, ck in enumerate(coefficients):
-        k = 1 << level
-        if k >= length:
-            break
-        torch.addcmul(x[:-k], gate[:-k], x[k:], value=ck, out=x_next[:-k])
+    if torch.is_grad_enabled() and delta.requires_grad:
+        for k, ck in levels:
+            carry = torch.where(gate[:-k], x[k:], 0.0)
+            x = torch.cat((torch.add(x[:-k], carry, alpha=ck), x[-k:]))
+            gate = torch.cat((gate[:-k] & gate[k:], gate.new_zeros(k)))
+        return x
+    fused = delta.device.type == "cpu" and bool(torch.isfinite(delta).all())
+    # Ping-pong buffers: no allocation inside the loop.
+    x_next, gate_next = torch.empty_like(x), torch.empty_like(gate)
+    if fused:
+        gate, gate_next = gate.to(x.dtype), gate_next.to(x.dtype)
+    else:
+        carry, zero = torch.empty_like(x), x.new_zeros(())
+    for level, (k, ck) in enumerate(levels):
+        if fused:
+            torch.addcmul(x[:-k], gate[:-k], x[k:], value=ck, out=x_next[:-k])
+        else:
+            torch.where(gate[:-k], x[k:], zero, out=carry[:-k])
+            torch.add(x[:-k], carry[:-k], alpha=ck, out=x_next[:-k])
         x_next[-k:] = x[-k:]
         x, x_next = x_next, x
-        if level < last:
+        if level < len(levels) - 1:
             torch.mul(gate[:-k], gate[k:], out=gate_next[:-k])
             gate_next[-k:] = 0
             gate, gate_next = gate_next, gate
@@ -285,7 +289,7 @@ def masked_generalized_advantage_estimate(
     masked = train.logical_not_()
     delta = delta.mul_(gamma_t).add_(folded).sub_(value_c).masked_fill_(masked, 0.0)
     # The carry flows from j + 1 into an action j of the same episode; a masked marker gets 0.
-    gate = (last | masked).logical_not_().to(dtype)
+    gate = (last | masked).logical_not_()
     del folded, nxt, last
 
     advantage_c = _reverse_linear_scan(delta, gate, _scan_levels(gamma_lmbda, horizon, dtype))

@@ -153,12 +153,25 @@ def test_terminated_end_ignores_nonfinite_next_value():
     assert adv.view(-1).tolist() == [0.0, 0.0]
 
 
-def test_nan_reward_stays_in_its_episode():
-    data = episode([1, 0, 1, 0], reward=[0.0, math.nan, 1.0, 0.0])
-    data["done"][0, 1] = True
-    adv, _ = run(0.9, 0.9, data)
-    assert math.isnan(adv[0, 0, 0])
-    assert adv[0, 2:, 0].tolist() == [1.0, 0.0]
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+@pytest.mark.parametrize("poisoned_episode", [0, 1])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_nonfinite_reward_stays_in_its_episode(poison, poisoned_episode, requires_grad):
+    # Two episodes in a row, and a second row: a NaN or inf credited to an action of one
+    # episode reaches the earlier actions of that episode and nothing else, in both directions.
+    value, next_value, reward, done, terminated, mask = make_rollout(2, 12, p_done=0.0, seed=21)
+    mask[:] = True
+    done[:, 5] = terminated[:, 5] = True
+    clean = mgae(0.9, 0.9, value, next_value, reward, done, terminated, mask)[0]
+    step = 3 if poisoned_episode == 0 else 9
+    reward[0, step] = poison
+    value.requires_grad_(requires_grad)
+    adv = mgae(0.9, 0.9, value, next_value, reward, done, terminated, mask)[0].detach()
+    episode_start = 0 if poisoned_episode == 0 else 6
+    poisoned = torch.zeros(2, 12, dtype=torch.bool)
+    poisoned[0, episode_start : step + 1] = True
+    assert not torch.isfinite(adv[0, episode_start : step + 1]).any()
+    assert torch.equal(adv[~poisoned], clean[~poisoned])
 
 
 # --- property tests against the serial reference ------------------------------------------
