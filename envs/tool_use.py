@@ -34,8 +34,8 @@ _SPECIAL_NAMES = {
 }
 
 # Agent-side phases of the grammar.
-_TURN = 0  # the agent starts a turn: CALL or ANSWER
-_CALL_ARGUMENT = 1  # the agent just wrote CALL: a key must follow
+_TURN = 0  # the agent starts a turn: a call or ANSWER
+_CALL_ARGUMENT = 1  # (call_prefix only) the agent just wrote CALL: a key must follow
 _ANSWERING = 2  # the agent is writing its answer, one value per query
 _CLOSING = 3  # the answer is complete; the closing block is being written
 
@@ -198,8 +198,9 @@ class ToolUseEnv(gym.Env):
     - Terminal: on the last step of the closing block (a masked step). With `partial_credit`
       (default) the fraction of correct values, else 1.0 if all are correct and 0.0 otherwise.
     - Shaping, on the first step of a response block, i.e. the masked step right after the
-      action that completed the turn: `lookup_reward` for the first successful lookup of each
-      queried key, minus `call_cost` for every response block (results and errors alike).
+      action that completed the turn: `lookup_reward` for looking up the next queried key in
+      the order asked (`q_1` first, then `q_2`, ...: each at most once), minus `call_cost` for
+      every response block (results and errors alike).
     - 0.0 on every other step.
     The oracle's return is `1 + n_queries * (lookup_reward - call_cost)`: 1.2 on v0, 0.97 on
     the hard id. Success (`info["is_success"]`) means every value right.
@@ -234,14 +235,15 @@ class ToolUseEnv(gym.Env):
       token count (44 on v0, room for about two wasted turns).
     - `max_calls=None`: lookup quota (`None`: `2 * n_queries`).
     - `call_cost=0.0`: shaping cost per response block.
-    - `lookup_reward=0.1`: shaping bonus for the first lookup of each queried key.
+    - `lookup_reward=0.1`: shaping bonus for looking up the queried keys in the order asked.
     - `partial_credit=True`: terminal reward as the fraction of correct values.
     - `call_prefix=False`: calls are `CALL <key>` instead of `<key>`.
     - `render_mode=None`: `"ansi"` returns the transcript with environment spans in `[...]`.
 
-    The v0 defaults (one-token calls, a lookup bonus, partial credit) are what makes v0
-    learnable by a small PPO policy in minutes: without them PPO settles on answering at once
-    and guessing. The hard id turns all three off.
+    The v0 defaults (one-token calls, an in-order lookup bonus, partial credit) are what makes
+    v0 learnable by a small PPO policy in minutes: without them PPO settles on answering at
+    once and guessing. In-order lookups put each needed value at one fixed offset from the
+    answer step. The hard id turns all three off.
 
     ## Version History
     - v0: Initial version.
@@ -334,7 +336,7 @@ class ToolUseEnv(gym.Env):
         self._num_lookups = 0
         self._phase = _TURN
         self._answer: list[int] = []
-        self._looked_up: set[int] = set()
+        self._num_in_order = 0  # queried keys looked up in the order asked, for lookup_reward
         self._is_success = False
         self._episode_over = False
         self._set_block([BOS, *(g.key(q) for q in self._queries)])
@@ -412,9 +414,9 @@ class ToolUseEnv(gym.Env):
         self._num_lookups += 1
         key_index = key - self.grammar.key(0)
         bonus = 0.0
-        if key_index in self._queries and key_index not in self._looked_up:
+        if self._queries[self._num_in_order:][:1] == [key_index]:
             bonus = self.lookup_reward
-        self._looked_up.add(key_index)
+            self._num_in_order += 1
         self._respond([RESULT, key, self.grammar.value(int(self._table[key_index]))], bonus)
 
     def _respond(self, head: list[int], bonus: float = 0.0) -> None:

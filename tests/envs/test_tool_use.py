@@ -89,15 +89,15 @@ def test_oracle_solves_every_episode(env_id, seeds, steps, agent_steps, episode_
 
 @pytest.mark.parametrize("env_id, episodes", [("MaskedRL/ToolUse-v0", 1000), ("MaskedRL/ToolUseHard-v0", 200)])
 def test_uniform_random_policy_almost_never_succeeds(env_id, episodes):
-    # Measured by `python -m masked_rl_envs.speed --random-episodes 100000`: about 0.01 % on
-    # v0 and 0 on the hard id. A success needs 5 (v0) or 10 (hard) exact tokens.
+    # Measured by `python -m masked_rl_envs.speed --random-episodes 50000`: 0.084 % on v0
+    # (ANSWER and two right values by chance), 0 on the hard id. Bound: 0.5 %.
     env = gym.make(env_id)
     env.action_space.seed(0)
     successes = 0
     for seed in range(episodes):
         *_, info = run_policy(env, lambda obs: env.action_space.sample(), seed)
         successes += info["is_success"]
-    assert successes <= 1
+    assert successes <= episodes * 0.005
 
 
 def test_oracle_recovers_from_a_malformed_turn():
@@ -230,11 +230,22 @@ def test_shaping_rewards_on_the_step_after_the_call(call_prefix):
     masks = [r[1] for r in records]
     rewards = [r[2] for r in records]
     block_starts = [t for t in range(1, len(masks)) if masks[t - 1] == 1 and masks[t] == 0]
-    # First lookup of a queried key: bonus - cost; repeated, unasked or malformed: cost only.
+    # Next queried key in order: bonus - cost; repeated, unasked or malformed: cost only.
     assert [rewards[t] for t in block_starts[:-1]] == [0.25, -0.25, -0.25, -0.25, 0.25]
     assert rewards[-1] == 1.0 and block_starts[-1] == len(rewards) - 4  # closing block
     others = set(range(len(rewards) - 1)) - set(block_starts[:-1])
     assert all(rewards[t] == 0.0 for t in others)
+
+
+def test_lookup_reward_follows_the_order_asked():
+    env = ToolUseEnv(max_steps=200)
+    env.reset(seed=4)
+    a, b = env.queries
+    records = play(env, call(env, b) + call(env, a) + call(env, b) + call(env, a), seed=4)
+    masks = [r[1] for r in records]
+    block_starts = [t for t in range(1, len(masks)) if masks[t - 1] == 1 and masks[t] == 0]
+    assert [records[t][2] for t in block_starts] == [0.0, 0.1, 0.1, 0.0]
+    assert sum(r[2] for r in records) == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("call_prefix", [False, True])

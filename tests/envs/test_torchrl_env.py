@@ -137,3 +137,34 @@ def test_hard_id():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_torchrl_env(**kwargs)
+
+
+def test_masked_gae_on_a_rollout():
+    from masked_rl import MaskedGAE
+    from tensordict.nn import TensorDictModule
+
+    generator = torch.Generator().manual_seed(0)
+    oracle = OraclePolicy.from_id("MaskedRL/ToolUse-v0")
+
+    def oracle_and_random(tokens, loss_mask):  # env 0 plays the oracle, env 1 at random
+        first = oracle({"tokens": tokens[:1], "loss_mask": loss_mask[:1]})
+        return torch.cat([torch.as_tensor(first), torch.randint(17, (1,), generator=generator)])
+
+    policy = TensorDictModule(oracle_and_random, ["tokens", "loss_mask"], ["action"])
+    env = make_torchrl_env(num_envs=2, seed=0)
+    td = env.rollout(300, policy, break_when_any_done=False)
+    values = torch.randn(2, 301, 1, generator=generator)
+    td["state_value"] = values[:, :-1]
+    td["next", "state_value"] = values[:, 1:]
+
+    td = MaskedGAE(gamma=0.99, lmbda=0.95, value_network=None)(td)
+
+    mask = td["loss_mask"].squeeze(-1).bool()
+    for key in ("advantage", "value_target"):
+        assert td[key].shape == (2, 300, 1)
+        assert (td[key].squeeze(-1)[~mask] == 0).all()
+    # With random values no trainable advantage is 0 (value targets can be: a wrong answer
+    # on an episode's last trainable step has target 0 + 0).
+    assert (td["advantage"].squeeze(-1)[mask] != 0).all()
+    assert td["next", "terminated"][0].sum() >= 6 and td["next", "truncated"][1].any()
+    assert 0 < mask.sum() < mask.numel() / 4
