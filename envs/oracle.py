@@ -94,7 +94,7 @@ class OraclePolicy:
         >>> while not done:
         ...     obs, reward, terminated, truncated, info = env.step(policy(obs))
         ...     done = terminated or truncated
-        >>> reward, info["is_success"]
+        >>> reward, bool(info["is_success"])
         (1.0, True)
     """
 

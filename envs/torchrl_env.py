@@ -53,10 +53,18 @@ def _single_worker_env(env_id, num_envs, vectorization, device, categorical_acti
     from torchrl.envs import GymEnv, GymWrapper
 
     if num_envs == 1:
+        import torch
+        from torchrl.data import Unbounded
+        from torchrl.envs import default_info_dict_reader
+
         env = GymEnv(
             env_id, device=device, categorical_action_encoding=categorical_action_encoding, **env_kwargs
         )
-        env.auto_register_info_dict()  # vector envs below come with an info reader already
+        # Vector envs below come with an info reader already. Given specs, TorchRL need not
+        # probe the env with a dummy rollout.
+        dtypes = {"is_success": torch.bool, "num_tool_calls": torch.int64, "num_agent_tokens": torch.int64}
+        specs = [Unbounded((), dtype=dtype, device=device) for dtype in dtypes.values()]
+        env.set_info_dict_reader(default_info_dict_reader(list(dtypes), spec=specs))
         return env
     # TorchRL reads gymnasium >= 1.1 vector envs only in the SAME_STEP auto-reset mode, where
     # the info of a done step is the finished episode's (GymEnv(num_envs=...) loses it).
@@ -116,11 +124,13 @@ def make_torchrl_env(
 
     Example:
         >>> import masked_rl_envs
-        >>> env = masked_rl_envs.make_torchrl_env(num_envs=4, seed=0)
+        >>> env = masked_rl_envs.make_torchrl_env(seed=0)
         >>> policy = masked_rl_envs.OraclePolicy.from_id("MaskedRL/ToolUse-v0").as_module()
-        >>> rollout = env.rollout(44, policy)
-        >>> rollout["next", "reward"][rollout["next", "terminated"]].tolist()
-        [1.0, 1.0, 1.0, 1.0]
+        >>> rollout = env.rollout(100, policy)  # stops at the end of the first episode
+        >>> rollout["loss_mask"].squeeze(-1).tolist()[:8]
+        [0, 0, 0, 1, 0, 0, 0, 0]
+        >>> rollout["next", "reward"].squeeze(-1)[-1].item(), rollout["next", "is_success"][-1].item()
+        (1.0, True)
     """
     if not isinstance(num_envs, int) or num_envs < 1:
         raise ValueError(f"num_envs must be an integer >= 1, got {num_envs!r}")

@@ -139,6 +139,17 @@ def test_bad_arguments(kwargs, match):
         make_torchrl_env(**kwargs)
 
 
+def test_docstring_examples_run():
+    import doctest
+
+    import masked_rl_envs.oracle
+    import masked_rl_envs.torchrl_env
+
+    for module in (masked_rl_envs.oracle, masked_rl_envs.torchrl_env):
+        failed, attempted = doctest.testmod(module)
+        assert failed == 0 and attempted > 0, module.__name__
+
+
 def test_masked_gae_on_a_rollout():
     from masked_rl import MaskedGAE
     from tensordict.nn import TensorDictModule
