@@ -102,7 +102,10 @@ def make_torchrl_env(
       (default): a ``GymWrapper`` over gymnasium's ``SyncVectorEnv`` (``SAME_STEP``
       auto-reset), every env stepped in this process, which is the fastest for these
       microsecond environments; ``"async"``: over gymnasium's ``AsyncVectorEnv``, one
-      subprocess per env.
+      subprocess per env. Both keep the final observation and info of every episode in
+      ``"next"``, which TorchRL 0.14.1's own ``GymEnv(env_id, num_envs=N)`` does not for
+      ``Dict`` observations (it writes zeros there, so a truncated episode would bootstrap
+      from an empty window).
     - ``workers > 1``: a ``ParallelEnv`` (``SerialEnv`` if ``serial``) of ``workers`` copies
       of the above.
 

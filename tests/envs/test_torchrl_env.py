@@ -108,6 +108,33 @@ def test_batched_env_rollout(serial):
         env.close()
 
 
+def test_plain_torchrl_wrappers():
+    """Without the helper: GymWrapper over gymnasium.make, and GymEnv(num_envs=...)."""
+    import gymnasium as gym
+    from torchrl.envs import GymEnv, GymWrapper
+
+    env = GymWrapper(gym.make("MaskedRL/ToolUse-v0"), categorical_action_encoding=True)
+    env.set_seed(0)
+    td = env.rollout(V0_EPISODE, ORACLE)
+    assert td["loss_mask"].dtype == torch.int8 and td["loss_mask"].sum() == 5
+    assert td["next", "terminated"][-1] and td["next", "reward"][-1].item() == 1.0
+
+    # GymEnv(num_envs=N) runs an AsyncVectorEnv. TorchRL 0.14.1 zeroes its final Dict
+    # observations and loses the done step's info (make_torchrl_env does not); the rest holds.
+    env = GymEnv("masked_rl_envs:MaskedRL/ToolUse-v0", num_envs=2, categorical_action_encoding=True)
+    try:
+        env.set_seed(0)
+        td = oracle_rollout(env)
+        assert td.batch_size == (2, 98) and td["tokens"].shape == (2, 98, 64)
+        mask = td["loss_mask"].squeeze(-1).bool()
+        assert torch.equal(td["next", "tokens"][..., -1][mask], td["action"][mask])
+        terminated = td["next", "terminated"].squeeze(-1)
+        assert terminated.sum() == 4 and (~mask[terminated]).all()
+        assert (td["next", "reward"].squeeze(-1)[terminated] == 1.0).all()
+    finally:
+        env.close()
+
+
 def test_one_hot_actions_and_env_kwargs():
     env = make_torchrl_env(categorical_action_encoding=False, response_len=24, seed=0)
     td = env.rollout(10)
