@@ -25,7 +25,7 @@ from masked_rl_examples.ppo_tool_use.config import Config, add_config_arguments
 from masked_rl_examples.ppo_tool_use.ppo_tool_use import SUCCESS_THRESHOLD, train
 
 ESTIMATORS = ("masked", "plain")
-DEFAULT_FRAMES = 1_500_000
+DEFAULT_FRAMES = 1_400_000
 """Frames per run of ``masked-rl compare`` (6 runs on 2 cores in under 15 minutes)."""
 
 

@@ -20,7 +20,7 @@ class Config:
     """Gymnasium id of the environment (``MaskedRL/ToolUse-v0`` or ``MaskedRL/ToolUseHard-v0``)."""
     estimator: str = "masked"
     """Advantage estimator: ``masked`` (masked_rl.MaskedGAE) or ``plain`` (TorchRL's GAE)."""
-    frames: int = 1_000_000
+    frames: int = 2_000_000
     """Environment steps to train for, masked steps included."""
     seed: int = 0
     """Seed of torch, the training environments and the evaluation episodes."""
@@ -36,23 +36,25 @@ class Config:
     """TorchRL logger backend: ``csv``, ``tensorboard``, ``wandb``, ``mlflow`` or ``none``."""
 
     # --- collection ----------------------------------------------------------------------------
-    num_envs: int = 64
+    num_envs: int = 128
     """Environments stepped together (a synchronous gymnasium vector env per worker)."""
     workers: int = 1
     """Collector processes; above 1, TorchRL's MultiSyncCollector splits num_envs over them."""
-    frames_per_batch: int = 8192
-    """Environment steps per collected batch (per PPO iteration); about 1/6 are trainable."""
+    frames_per_batch: int = 16384
+    """Environment steps per collected batch (per PPO iteration), ``num_envs`` rows of
+    ``frames_per_batch / num_envs`` steps; about 1 in 10 is trainable. Long rows matter: a row
+    cut mid-episode bootstraps from the critic instead of carrying the reward back."""
 
     # --- PPO -----------------------------------------------------------------------------------
     gamma: float = 0.99
     """Discount factor (TorchRL's default)."""
     lmbda: float = 0.95
     """GAE trace decay (TorchRL's default)."""
-    epochs: int = 4
-    """Passes over each batch's trainable steps; advantages are re-estimated before each."""
+    epochs: int = 8
+    """Passes over each batch's trainable steps (advantages are estimated once per batch)."""
     minibatch_size: int = 256
     """Trainable steps per gradient step (masked steps never enter the replay buffer)."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Adam learning rate."""
     max_grad_norm: float = 0.5
     """Gradient-norm clipping threshold."""
@@ -64,24 +66,32 @@ class Config:
     """Weight of the critic (squared error) loss."""
     normalize_advantage: bool = True
     """Standardise advantages per minibatch (statistics over trainable steps only)."""
+    bootstrap_truncated: bool = False
+    """Bootstrap from the critic when an episode hits the step budget (TorchRL's default).
+    Off: running out of steps ends the episode like any failure."""
 
     # --- networks ------------------------------------------------------------------------------
     embed_dim: int = 8
     """Token embedding size; the window's embeddings are concatenated position by position."""
     hidden: int = 64
-    """Hidden units of the policy and critic MLPs."""
+    """Hidden units per layer of the token-window encoder."""
+    layers: int = 1
+    """Hidden (tanh) layers of the token-window encoder."""
+    shared: bool = True
+    """One encoder for the policy and the critic (TorchRL's ActorValueOperator); else one each."""
 
     # --- evaluation and checkpoints ------------------------------------------------------------
-    eval_every: int = 65_536
+    eval_every: int = 81_920
     """Frames between greedy evaluations (and checkpoints)."""
-    eval_episodes: int = 128
+    eval_episodes: int = 100
     """Greedy episodes per evaluation (the same seeded tasks every time)."""
 
     def __post_init__(self):
         if self.estimator not in ("masked", "plain"):
             raise ValueError(f"estimator must be 'masked' or 'plain', got {self.estimator!r}")
         for name in ("frames", "num_envs", "workers", "frames_per_batch", "epochs",
-                     "minibatch_size", "eval_episodes", "eval_every", "embed_dim", "hidden"):
+                     "minibatch_size", "eval_episodes", "eval_every", "embed_dim", "hidden",
+                     "layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_envs % self.workers:

@@ -9,11 +9,11 @@ reward arrives on the last, masked step. Read top to bottom:
 2. the loss: :class:`masked_rl.MaskedClipPPOLoss`, TorchRL's ``ClipPPOLoss`` computed on the
    trainable steps only, with :class:`masked_rl.MaskedGAE` (``--estimator masked``) or
    TorchRL's plain ``GAE`` (``--estimator plain``, the baseline) as value estimator;
-3. the loop: collect a batch of ``[num_envs, T]`` steps, then for each epoch estimate the
-   advantages on the full batch (the estimator needs the time structure and the masked
-   rewards), put the *trainable* steps in a replay buffer and take clipped-gradient Adam
-   steps on its minibatches; evaluate the greedy policy and checkpoint every ``eval_every``
-   frames; log to ``train/``, ``eval/`` and ``time/`` with a TorchRL logger.
+3. the loop: collect a batch of ``[num_envs, T]`` steps; estimate the advantages on the full
+   batch (the estimator needs the time structure and the rewards of masked steps); put only
+   the *trainable* steps in a replay buffer and take clipped-gradient Adam steps on its
+   minibatches for a few epochs; evaluate the greedy policy and checkpoint every
+   ``eval_every`` frames; log to ``train/``, ``eval/`` and ``time/`` with a TorchRL logger.
 
 Run ``python examples/ppo_tool_use/ppo_tool_use.py --help`` (or ``masked-rl train --help``)
 for the options, documented in ``config.py``.
@@ -22,7 +22,6 @@ for the options, documented in ``config.py``.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from collections import defaultdict
@@ -65,7 +64,9 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     eval_env = make_env(cfg.env, cfg.eval_episodes, cfg.device)
     max_episode_steps = episode_step_limit(cfg.env)
-    actor, critic = make_actor_critic(eval_env, cfg.embed_dim, cfg.hidden, cfg.device)
+    actor, critic = make_actor_critic(
+        eval_env, cfg.embed_dim, cfg.hidden, cfg.layers, cfg.shared, cfg.device
+    )
 
     # --- loss: PPO over the trainable steps, masked or plain GAE -------------------------------
     loss = MaskedClipPPOLoss(
@@ -157,12 +158,20 @@ def train(cfg: Config) -> dict:
         collect_time = time.perf_counter() - collect_start
         frames += batch.numel()
         update_start = time.perf_counter()
+        if not cfg.bootstrap_truncated:
+            # Running out of steps ends the episode like any failure. (A bootstrap would read
+            # the critic at the last, masked observation, a mid-tool-output window it is never
+            # trained on; in our runs its guess kept "call tools until the budget runs out"
+            # looking as good as answering.)
+            batch["next", "terminated"] = batch["next", "done"].clone()
+        # Advantages once per batch, from the critic that collected it, on the full
+        # [num_envs, T] batch; then only the trainable steps go to the replay buffer.
+        with torch.no_grad():
+            loss.value_estimator(batch)
+        buffer.empty()
+        buffer.extend(select_trainable_steps(batch))
         stats = defaultdict(list)
         for _ in range(cfg.epochs):
-            with torch.no_grad():
-                loss.value_estimator(batch)  # advantages from the current critic, full batch
-            buffer.empty()
-            buffer.extend(select_trainable_steps(batch))
             for minibatch in buffer:
                 out = loss(minibatch)
                 total = out["loss_objective"] + out["loss_entropy"] + out["loss_critic"]
@@ -186,7 +195,8 @@ def train(cfg: Config) -> dict:
              "time/total": elapsed, "time/fps": frames / elapsed}, frames)
         if frames >= next_eval or frames >= cfg.frames:
             success = evaluate_and_checkpoint(frames)
-            next_eval += cfg.eval_every * max(1, math.ceil((frames - next_eval + 1) / cfg.eval_every))
+            while next_eval <= frames:
+                next_eval += cfg.eval_every
         progress.update(batch.numel())
         progress.set_postfix(train_success=f"{episodes.get('success_rate', float('nan')):.2f}",
                              eval_success=f"{success:.2f}")

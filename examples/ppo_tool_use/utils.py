@@ -7,11 +7,11 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
-from torchrl.envs import EnvBase, GymWrapper
+from torchrl.envs import EnvBase, RewardSum
 from torchrl.envs.utils import ExplorationType, set_exploration_type
-from torchrl.modules import ProbabilisticActor, ValueOperator
+from torchrl.modules import ActorValueOperator, ProbabilisticActor, ValueOperator
 
-import masked_rl_envs  # noqa: F401  (registers the MaskedRL/* ids, also in collector workers)
+from masked_rl_envs import make_torchrl_env
 
 
 # --- environment ---------------------------------------------------------------------------
@@ -20,20 +20,15 @@ import masked_rl_envs  # noqa: F401  (registers the MaskedRL/* ids, also in coll
 def make_env(env_id: str, num_envs: int, device: str = "cpu") -> EnvBase:
     """``num_envs`` copies of ``env_id`` as one TorchRL env with batch size ``[num_envs]``.
 
-    A synchronous gymnasium vector env: the toy environments step in microseconds, so one
-    process stepping them in turn is several times faster than one subprocess per env
-    (gymnasium's ``AsyncVectorEnv``, which ``GymEnv(num_envs=...)`` builds). TorchRL needs the
-    ``SAME_STEP`` auto-reset mode of gymnasium 1.x. Keys per step: ``"tokens"`` ``[W]``,
+    :func:`masked_rl_envs.make_torchrl_env` with a synchronous gymnasium vector env: the toy
+    environments step in microseconds, so stepping them in turn in this process is several
+    times faster than one subprocess per env. Keys per step: ``"tokens"`` ``[W]``,
     ``"loss_mask"`` int8 ``[1]`` (1 when the action of this step is the agent's),
-    ``"is_success"``, ``"action"`` (a token id), ``("next", "reward")``.
+    ``"is_success"``, ``"num_agent_tokens"``, ``"num_tool_calls"``, ``"action"`` (a token id),
+    ``("next", "reward")`` and ``"episode_reward"`` (TorchRL's ``RewardSum``: the return so far).
     """
-    vector_env = gym.make_vec(
-        env_id,
-        num_envs=num_envs,
-        vectorization_mode="sync",
-        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-    )
-    return GymWrapper(vector_env, categorical_action_encoding=True, device=device)
+    env = make_torchrl_env(env_id, num_envs=num_envs, device=device, vectorization="sync")
+    return env.append_transform(RewardSum())  # "episode_reward": the return so far
 
 
 def episode_step_limit(env_id: str) -> int:
@@ -48,8 +43,15 @@ def episode_step_limit(env_id: str) -> int:
 # --- networks ------------------------------------------------------------------------------
 
 
-class TokenWindowMLP(nn.Module):
-    """An MLP over the observation window: embed every token, concatenate, two layers.
+def _init(layer: nn.Linear, std: float) -> nn.Linear:
+    """Orthogonal weights, zero bias (the usual PPO initialisation)."""
+    nn.init.orthogonal_(layer.weight, gain=std)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class TokenWindowEncoder(nn.Module):
+    """Features of the observation window: embed every token, concatenate, tanh MLP.
 
     Concatenating the window position by position gives each position its own first-layer
     weights, so "copy the token 3 positions back" or "answer the value after the first RESULT"
@@ -60,47 +62,61 @@ class TokenWindowMLP(nn.Module):
         vocab_size (int): token ids are in ``[0, vocab_size)``.
         window (int): observation length ``W``.
         embed_dim (int): embedding size per token.
-        hidden (int): hidden units.
-        out_features (int): output size (``vocab_size`` logits, or ``1`` value).
-        out_std (float): init std of the output layer (small for an initially uniform policy).
+        hidden (int): hidden units per layer.
+        layers (int): hidden layers.
 
-    Shapes: ``tokens`` ``[*B, W]`` (int64) -> ``[*B, out_features]``.
+    Shapes: ``tokens`` ``[*B, W]`` (int64) -> ``[*B, hidden]``.
     """
 
-    def __init__(self, vocab_size: int, window: int, embed_dim: int, hidden: int,
-                 out_features: int, out_std: float = 1.0):
+    def __init__(self, vocab_size: int, window: int, embed_dim: int, hidden: int, layers: int):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, embed_dim)
-        self.mlp = nn.Sequential(
-            nn.Flatten(-2),
-            nn.Linear(window * embed_dim, hidden),
-            nn.Tanh(),
-            nn.Linear(hidden, out_features),
-        )
-        nn.init.orthogonal_(self.mlp[1].weight, gain=2**0.5)
-        nn.init.zeros_(self.mlp[1].bias)
-        nn.init.orthogonal_(self.mlp[3].weight, gain=out_std)
-        nn.init.zeros_(self.mlp[3].bias)
+        sizes = [window * embed_dim] + [hidden] * layers
+        body = [nn.Flatten(-2)]
+        for n_in, n_out in zip(sizes[:-1], sizes[1:]):
+            body += [_init(nn.Linear(n_in, n_out), 2**0.5), nn.Tanh()]
+        self.mlp = nn.Sequential(*body)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.embed(tokens))
 
 
-def make_actor_critic(env: EnvBase, embed_dim: int, hidden: int, device="cpu"):
-    """A categorical policy over the next token and a critic, both reading ``"tokens"``."""
+def make_actor_critic(env: EnvBase, embed_dim: int, hidden: int, layers: int,
+                      shared: bool = True, device="cpu"):
+    """A categorical policy over the next token and a critic, both reading ``"tokens"``.
+
+    With ``shared``, one :class:`TokenWindowEncoder` feeds both heads (TorchRL's
+    ``ActorValueOperator``, as in its Atari PPO recipe); the critic's loss then also shapes the
+    features the policy reads.
+    """
     vocab_size = env.action_spec.space.n
     window = env.observation_spec["tokens"].shape[-1]
-    policy_net = TokenWindowMLP(vocab_size, window, embed_dim, hidden, vocab_size, out_std=0.01)
-    actor = ProbabilisticActor(
-        TensorDictModule(policy_net, in_keys=["tokens"], out_keys=["logits"]),
-        in_keys=["logits"],
-        spec=env.full_action_spec["action"],
-        distribution_class=torch.distributions.Categorical,
-        return_log_prob=True,
-    )
-    critic = ValueOperator(
-        TokenWindowMLP(vocab_size, window, embed_dim, hidden, 1, out_std=1.0), in_keys=["tokens"]
-    )
+
+    def encoder():
+        return TokenWindowEncoder(vocab_size, window, embed_dim, hidden, layers)
+
+    def policy_head(in_keys, module):
+        return ProbabilisticActor(
+            TensorDictModule(module, in_keys=in_keys, out_keys=["logits"]),
+            in_keys=["logits"],
+            spec=env.full_action_spec["action"],
+            distribution_class=torch.distributions.Categorical,
+            return_log_prob=True,
+        )
+
+    # A small output layer makes the initial policy uniform over tokens.
+    policy_out = _init(nn.Linear(hidden, vocab_size), 0.01)
+    value_out = _init(nn.Linear(hidden, 1), 1.0)
+    if shared:
+        operator = ActorValueOperator(
+            TensorDictModule(encoder(), in_keys=["tokens"], out_keys=["features"]),
+            policy_head(["features"], policy_out),
+            ValueOperator(value_out, in_keys=["features"]),
+        )
+        actor, critic = operator.get_policy_operator(), operator.get_value_operator()
+    else:
+        actor = policy_head(["tokens"], nn.Sequential(encoder(), policy_out))
+        critic = ValueOperator(nn.Sequential(encoder(), value_out), in_keys=["tokens"])
     return actor.to(device), critic.to(device)
 
 
@@ -108,13 +124,14 @@ def make_actor_critic(env: EnvBase, embed_dim: int, hidden: int, device="cpu"):
 
 
 def finished_episodes(batch: TensorDictBase) -> dict[str, float]:
-    """Success rate, agent tokens and tool calls of the episodes that ended in a batch."""
+    """Success rate, return, agent tokens and tool calls of the episodes that ended in a batch."""
     done = batch["next", "done"].squeeze(-1)
     if not done.any():
         return {"episodes": 0}
     return {
         "episodes": int(done.sum()),
         "success_rate": batch["next", "is_success"][done].float().mean().item(),
+        "episode_return": batch["next", "episode_reward"][done].mean().item(),
         "agent_tokens": batch["next", "num_agent_tokens"][done].float().mean().item(),
         "tool_calls": batch["next", "num_tool_calls"][done].float().mean().item(),
     }

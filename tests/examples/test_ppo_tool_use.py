@@ -10,13 +10,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import gymnasium
 import pytest
 import torch
 
 from masked_rl_examples.ppo_tool_use.config import Config, field_docs, parse_config
 from masked_rl_examples.ppo_tool_use.ppo_tool_use import train
 from masked_rl_examples.ppo_tool_use.utils import (
-    TokenWindowMLP,
+    TokenWindowEncoder,
     evaluate,
     finished_episodes,
     make_actor_critic,
@@ -57,14 +58,15 @@ def test_config_rejects_bad_values(kwargs, match):
         Config(**kwargs)
 
 
-def test_token_window_mlp_shapes():
-    net = TokenWindowMLP(vocab_size=17, window=64, embed_dim=4, hidden=16, out_features=17)
-    assert net(torch.zeros(5, 3, 64, dtype=torch.long)).shape == (5, 3, 17)
+def test_token_window_encoder_shapes():
+    net = TokenWindowEncoder(vocab_size=17, window=64, embed_dim=4, hidden=16, layers=2)
+    assert net(torch.zeros(5, 3, 64, dtype=torch.long)).shape == (5, 3, 16)
 
 
-def test_env_actor_and_statistics_on_a_rollout():
+@pytest.mark.parametrize("shared", [True, False])
+def test_env_actor_and_statistics_on_a_rollout(shared):
     env = make_env(ENV_ID, 4)
-    actor, critic = make_actor_critic(env, embed_dim=4, hidden=16)
+    actor, critic = make_actor_critic(env, embed_dim=4, hidden=16, layers=1, shared=shared)
     env.set_seed(0)
     rollout = env.rollout(200, actor, break_when_any_done=False)
     assert rollout.batch_size == (4, 200)
@@ -72,6 +74,7 @@ def test_env_actor_and_statistics_on_a_rollout():
     assert critic(rollout)["state_value"].shape == (4, 200, 1)
     stats = finished_episodes(rollout)
     assert stats["episodes"] >= 4 and 0 <= stats["success_rate"] <= 1
+    assert stats["episode_return"] >= 0
     result = evaluate(actor, env, seed=1, max_steps=80)
     assert result == evaluate(actor, env, seed=1, max_steps=80)  # the same tasks every time
     env.close()
@@ -79,16 +82,32 @@ def test_env_actor_and_statistics_on_a_rollout():
 
 # --- learning -------------------------------------------------------------------------------
 
+# The default task takes a million frames or more; the learning test uses a small variant of the
+# same environment (one lookup of 2 keys, 4-token tool answers): the same skills (call the asked
+# key, copy the value out of the tool's answer across masked steps), about 10 steps an episode.
+TINY_ID = "MaskedRLTest/ToolUseTiny-v0"
+if TINY_ID not in gymnasium.registry:
+    gymnasium.register(
+        id=TINY_ID,
+        entry_point="masked_rl_envs.tool_use:ToolUseEnv",
+        kwargs=dict(n_keys=2, n_values=2, n_queries=1, response_len=4, closing_len=1, window=16,
+                    max_steps=24),
+    )
+
 
 def test_seeded_training_beats_a_random_policy(tmp_path):
-    """A short seeded run must reach a greedy success rate a random policy cannot reach."""
-    cfg = Config(output=str(tmp_path), progress_bar=False, seed=0, **LEARNING_TEST_BUDGET)
+    """A short seeded run reaches a greedy success rate no policy that guesses can reach.
+
+    Without reading the tool's answer, the best an agent can do is to guess one of the 2 values
+    (success 1/2); an untrained greedy policy scores about 0.
+    """
+    cfg = Config(env=TINY_ID, frames=98_304, seed=0, output=str(tmp_path), progress_bar=False,
+                 threads=1, num_envs=32, frames_per_batch=2048, eval_every=8192,
+                 eval_episodes=64)
     summary = train(cfg)
-    assert summary["final_success_rate"] >= LEARNING_TEST_THRESHOLD, summary["history"]
-
-
-LEARNING_TEST_BUDGET = dict(frames=300_000)
-LEARNING_TEST_THRESHOLD = 0.25
+    history = [round(h["success_rate"], 2) for h in summary["history"]]
+    assert history[0] < 0.5, history
+    assert summary["final_success_rate"] >= 0.9, history
 
 
 # --- commands -------------------------------------------------------------------------------
