@@ -35,7 +35,8 @@ from tensordict import TensorDictBase, is_tensor_collection
 from tensordict.nn import dispatch
 from tensordict.utils import NestedKey
 from torchrl.objectives import ClipPPOLoss, PPOLoss
-from torchrl.objectives.utils import ValueEstimators, default_value_kwargs
+from torchrl.objectives.utils import ValueEstimators, _coerce_value_type, default_value_kwargs
+from torchrl.objectives.value import ValueEstimatorBase
 
 from masked_rl.advantages import MaskedGAE
 from masked_rl.functional import check_loss_mask
@@ -257,9 +258,15 @@ class MaskedClipPPOLoss(ClipPPOLoss):
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
 
-    def make_value_estimator(self, value_type: ValueEstimators | None = None, **hyperparams):
-        """As in TorchRL, except that ``None`` and ``ValueEstimators.GAE`` build a ``MaskedGAE``."""
-        if value_type is None or value_type == ValueEstimators.GAE:
+    def make_value_estimator(self, value_type: ValueEstimators | str | None = None, **hyperparams):
+        """As in TorchRL, except that ``None`` and ``ValueEstimators.GAE`` (or ``"gae"``) build a
+        ``MaskedGAE``."""
+        is_estimator = isinstance(value_type, ValueEstimatorBase) or (
+            isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase)
+        )
+        if value_type is None or (
+            not is_estimator and _coerce_value_type(value_type) == ValueEstimators.GAE
+        ):
             hyperparams = {**default_value_kwargs(ValueEstimators.GAE), **hyperparams}
             attach_masked_gae(self, loss_mask_key=self.tensor_keys.loss_mask, **hyperparams)
             return self

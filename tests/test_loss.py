@@ -182,9 +182,12 @@ def test_masked_clip_default_estimator_is_masked_gae_with_torchrl_defaults():
     gae = loss.value_estimator
     assert isinstance(gae, MaskedGAE) and gae.value_network is loss.critic_network
     torch.testing.assert_close((gae.gamma, gae.lmbda), (torch.tensor(0.99), torch.tensor(0.95)))
-    loss.make_value_estimator(ValueEstimators.GAE, gamma=0.5, lmbda=0.25)
-    assert isinstance(loss.value_estimator, MaskedGAE)
-    assert (float(loss.value_estimator.gamma), float(loss.value_estimator.lmbda)) == (0.5, 0.25)
+    for value_type in (ValueEstimators.GAE, "gae"):
+        loss.make_value_estimator(value_type, gamma=0.5, lmbda=0.25)
+        assert isinstance(loss.value_estimator, MaskedGAE)
+        assert (float(loss.value_estimator.gamma), float(loss.value_estimator.lmbda)) == (0.5, 0.25)
+    loss.make_value_estimator(ValueEstimators.TD0, gamma=0.5)  # others: TorchRL's own
+    assert type(loss.value_estimator).__name__ == "TD0Estimator"
 
 
 def test_masked_clip_set_keys_renames_loss_mask_everywhere():

@@ -21,7 +21,7 @@ class Config:
     estimator: str = "masked"
     """Advantage estimator: ``masked`` (masked_rl.MaskedGAE) or ``plain`` (TorchRL's GAE)."""
     frames: int = 2_000_000
-    """Environment steps to train for, masked steps included."""
+    """Environment steps to train for, masked steps included (rounded up to whole batches)."""
     seed: int = 0
     """Seed of torch, the training environments and the evaluation episodes."""
     device: str = "cpu"

@@ -84,13 +84,15 @@ def train(cfg: Config) -> dict:
         loss.make_value_estimator(GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=critic))
 
     # --- collector: one process, or TorchRL's multi-process collector --------------------------
+    total_frames = -(-cfg.frames // cfg.frames_per_batch) * cfg.frames_per_batch  # whole batches
     if cfg.workers == 1:
         collector = Collector(
             make_env(cfg.env, cfg.num_envs, cfg.device),
             actor,
             frames_per_batch=cfg.frames_per_batch,
-            total_frames=cfg.frames,
+            total_frames=total_frames,
             device=cfg.device,
+            auto_register_policy_transforms=False,  # a feed-forward policy: nothing to add
         )
     else:
         make_worker_env = partial(make_env, cfg.env, cfg.num_envs // cfg.workers, "cpu")
@@ -98,8 +100,9 @@ def train(cfg: Config) -> dict:
             [make_worker_env] * cfg.workers,
             actor,
             frames_per_batch=cfg.frames_per_batch,
-            total_frames=cfg.frames,
+            total_frames=total_frames,
             storing_device=cfg.device,
+            auto_register_policy_transforms=False,
         )
     collector.set_seed(cfg.seed)
 
@@ -151,7 +154,7 @@ def train(cfg: Config) -> dict:
     frames, next_eval = 0, 0
     success = evaluate_and_checkpoint(frames)
     next_eval += cfg.eval_every
-    progress = tqdm.tqdm(total=cfg.frames, unit="frames", disable=not cfg.progress_bar,
+    progress = tqdm.tqdm(total=total_frames, unit="frames", disable=not cfg.progress_bar,
                          desc=f"{cfg.estimator} seed {cfg.seed}")
     collect_start = time.perf_counter()
     for batch in collector:
@@ -193,7 +196,7 @@ def train(cfg: Config) -> dict:
         elapsed = time.perf_counter() - start
         log({"time/collect": collect_time, "time/update": update_time, "time/eval": eval_time,
              "time/total": elapsed, "time/fps": frames / elapsed}, frames)
-        if frames >= next_eval or frames >= cfg.frames:
+        if frames >= next_eval or frames >= total_frames:
             success = evaluate_and_checkpoint(frames)
             while next_eval <= frames:
                 next_eval += cfg.eval_every

@@ -74,7 +74,7 @@ def test_env_actor_and_statistics_on_a_rollout(shared):
     assert critic(rollout)["state_value"].shape == (4, 200, 1)
     stats = finished_episodes(rollout)
     assert stats["episodes"] >= 4 and 0 <= stats["success_rate"] <= 1
-    assert stats["episode_return"] >= 0
+    assert stats["reward_per_episode"] >= 0
     result = evaluate(actor, env, seed=1, max_steps=80)
     assert result == evaluate(actor, env, seed=1, max_steps=80)  # the same tasks every time
     env.close()
