@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from masked_gae_reference import serial_masked_gae_batch
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
 from masked_rl.bench import (
@@ -30,30 +31,10 @@ COMPARATORS = {
 
 
 def reference_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask):
-    """SPEC.md read literally: one row, one episode, one trainable step at a time (float64)."""
-    rows, steps = mask.shape
-    advantage = torch.zeros(rows, steps, dtype=torch.float64)
-    for row in range(rows):
-        v, nv, r = value[row].tolist(), next_value[row].tolist(), reward[row].tolist()
-        start = 0
-        for t in range(steps):
-            if not (done[row, t] or t == steps - 1):
-                continue
-            end, first, start = t, start, t + 1
-            trainable = [u for u in range(first, end + 1) if mask[row, u]]
-            carry = 0.0
-            for j in reversed(range(len(trainable))):
-                u = trainable[j]
-                stop = trainable[j + 1] if j + 1 < len(trainable) else end + 1
-                folded = sum(r[u:stop])
-                if j + 1 < len(trainable):
-                    bootstrap = v[trainable[j + 1]]
-                else:
-                    bootstrap = 0.0 if terminated[row, end] else nv[end]
-                carry = folded + gamma * bootstrap - v[u] + gamma * lmbda * carry
-                advantage[row, u] = carry
-    target = torch.where(mask, advantage + value.double(), 0.0)
-    return advantage, target
+    """The project's serial SPEC reference on ``[N, T]`` inputs, as ``[N, T]`` float64."""
+    advantage, target = serial_masked_gae_batch(gamma, lmbda, *as_inputs(value, next_value, reward,
+                                                                          done, terminated, mask))
+    return advantage.squeeze(-1), target.squeeze(-1)
 
 
 def random_batch(seed, rows=6, steps=40, all_masked_row=True):
