@@ -1,4 +1,4 @@
-"""Entry points of ``masked-rl train`` and ``masked-rl compare`` (see ``masked_rl/cli.py``)."""
+"""Entry points of ``masked-rl train`` and ``masked-rl compare`` (see ``examples/cli.py``)."""
 
 from __future__ import annotations
 

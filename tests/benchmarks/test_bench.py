@@ -13,7 +13,7 @@ import torch
 from masked_gae_reference import serial_masked_gae_batch
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
-from masked_rl.bench import (
+from masked_rl_benchmarks.bench import (
     check_agreement,
     cpu_peak_bytes,
     make_workload,
@@ -183,7 +183,7 @@ def test_cpu_peak_bytes_sees_a_known_peak():
 def test_bench_command_writes_table_csv_and_json(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "masked_rl.cli", "bench", "--shapes", "3x300", "2x64",
+        [sys.executable, "-m", "masked_rl_examples.cli", "bench", "--shapes", "3x300", "2x64",
          "--repeats", "2", "--min-time-ms", "5", "--dtype", "float64", "--out", str(out)],
         capture_output=True, text=True, timeout=120,
     )

@@ -15,7 +15,7 @@ _COMMANDS = {
               "train PPO on a toy tool-use environment (masked or plain GAE)"),
     "compare": ("masked_rl_examples.ppo_tool_use.commands", "compare_main",
                 "masked vs plain GAE over several seeds: table, CSV and PNG"),
-    "bench": ("masked_rl.bench", "main",
+    "bench": ("masked_rl_benchmarks.bench", "main",
               "time masked GAE against the alternatives: table, CSV and JSON"),
 }
 

@@ -1,6 +1,6 @@
 """``masked-rl bench``: time masked GAE against the alternatives a user has today.
 
-Run ``masked-rl bench`` (or ``python -m masked_rl.bench``); ``--help`` lists the options.
+Run ``masked-rl bench`` (or ``python -m masked_rl_benchmarks.bench``); ``--help`` lists the options.
 
 Workload (:func:`make_workload`): agentic rollouts, one episode per row. Each row is a
 masked prompt (32 to 128 steps), then alternating trainable agent blocks (16 to 128) and
