@@ -23,13 +23,21 @@ repeats its call back to back until it spans ``--min-time-ms``:
     :func:`per_step_loop_gae`: a reverse Python loop over time, vectorized over rows,
     carrying the advantage, the next value and the pending masked reward across masked
     steps (how other trainers do it).
+``reference``
+    :func:`reference_algorithm_gae`: the algorithm the reference system ships (a Python
+    loop over rows packs each row's trainable steps; a chunk-128 matrix scan with a
+    Python loop carrying between chunks). It assumes one episode per row, as the workload has.
+``floor``
+    :func:`memory_floor`: not an estimator; one pass that reads every input once and writes
+    two outputs (two ``torch.where``). The ``x floor`` column divides every time by it.
 ``ours_all_ones`` / ``torchrl_all_ones``
     ours with an all-ones mask against TorchRL's
     ``vec_generalized_advantage_estimate`` (which has no mask) on the same data: the
     speed a TorchRL user has today.
 
 Before timing, every shape checks that the implementations agree (:func:`check_agreement`):
-``per_sample``, ``per_step`` and ``ours_module`` must equal ``ours`` to float tolerance,
+``per_sample``, ``per_step``, ``reference`` and ``ours_module`` must equal ``ours`` to float
+tolerance,
 ``torchrl_all_ones`` must equal ``ours_all_ones`` within the error bound of TorchRL's
 ``1e-7`` filter truncation.
 
@@ -71,6 +79,8 @@ __all__ = [
     "make_workload",
     "per_sample_packed_scan_gae",
     "per_step_loop_gae",
+    "reference_algorithm_gae",
+    "memory_floor",
     "check_agreement",
     "cpu_peak_bytes",
     "main",
@@ -78,6 +88,7 @@ __all__ = [
 
 DEFAULT_SHAPES = ((8, 32768), (32, 16384), (64, 4096), (256, 4096), (512, 1024), (1024, 1024))
 CUDA_EXTRA_SHAPES = ((256, 32768),)
+REFERENCE_CHUNK = 128  # the reference system's chunk
 TORCHRL_FILTER_THRESHOLD = 1e-7  # TorchRL's _fast_vec_gae drops filter terms below this
 
 # key: (label in the table, the key whose time the ratio divides by)
@@ -86,6 +97,8 @@ IMPLEMENTATIONS = {
     "ours_module": ("MaskedGAE on a TensorDict (ours)", "ours"),
     "per_sample": ("per-sample packed chunk scan", "ours"),
     "per_step": ("per-step loop over t", "ours"),
+    "reference": ("reference algorithm (per-row chunk-128 scan)", "ours"),
+    "floor": ("memory floor (one pass, 2 where)", "ours"),
     "ours_all_ones": ("masked_gae, all-ones mask (ours)", "ours_all_ones"),
     "torchrl_all_ones": ("TorchRL vec GAE, no mask", "ours_all_ones"),
 }
@@ -305,6 +318,96 @@ def per_step_loop_gae(
     return advantage.view_as(state_value), target.view_as(state_value)
 
 
+def reference_algorithm_gae(
+    gamma: float,
+    lmbda: float,
+    state_value: Tensor,
+    next_state_value: Tensor,
+    reward: Tensor,
+    done: Tensor,
+    terminated: Tensor,
+    loss_mask: Tensor,
+    *,
+    chunk: int = REFERENCE_CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """The reference system's own algorithm (the miles masked-GAE PR this project implements).
+
+    Rows must hold one episode each (``done`` only at a row's last step), which is that
+    system's setting. Per row, in a Python loop over rows: the trainable positions by
+    ``nonzero``; values and rewards gathered there, with the row's terminal reward (the
+    rewards of the masked tail after its last trainable step, folded here as that system's
+    caller does) added to the last trainable step. The rows are packed into a right-padded
+    ``[N, K]`` batch of deltas (next value ``V[t_{j+1}]``, and after the last trainable step
+    ``0`` if terminated, else ``V'`` of the row's last step). The chunked scan: deltas
+    reshaped to ``[N, K / chunk, chunk]``, every chunk solved by one matrix product with the
+    fixed ``chunk x chunk`` upper-triangular matrix of powers of ``gamma * lmbda``, then the
+    carry passed from the last chunk to the first by a Python loop over chunks; results
+    scattered back. On one-episode rows whose masked rewards all lie in the tail this is
+    SPEC.md's masked GAE; :func:`check_agreement` checks it against ours before timing.
+    One host synchronisation per row (its ``nonzero``) and one per chunk step.
+    """
+    value, next_value, rew, term = _as_rows(state_value, next_state_value, reward, terminated)
+    mask = loss_mask.reshape(value.shape)
+    rows, steps = value.shape
+    c = gamma * lmbda
+    positions, deltas, values = [], [], []
+    for row in range(rows):
+        pos = mask[row].nonzero().squeeze(-1)
+        if pos.numel() == 0:
+            continue
+        value_c = value[row, pos]
+        reward_c = rew[row, pos]
+        reward_c[-1] += rew[row, pos[-1] + 1 :].sum()  # the masked tail's (terminal) reward
+        bootstrap = torch.where(term[row, -1], 0.0, next_value[row, -1]).reshape(1)
+        deltas.append(reward_c + gamma * torch.cat((value_c[1:], bootstrap)) - value_c)
+        values.append(value_c)
+        positions.append(pos + row * steps)
+    advantage = torch.zeros(rows * steps, dtype=value.dtype, device=value.device)
+    target = torch.zeros_like(advantage)
+    if positions:
+        packed = pad_sequence(deltas, batch_first=True)  # [N, K], zero-padded on the right
+        width = packed.shape[1]
+        n_chunks = -(-width // chunk)
+        x = torch.nn.functional.pad(packed, (0, n_chunks * chunk - width)).view(-1, n_chunks, chunk)
+        # [j, i] = c**(j - i) for j >= i: row j of a chunk contributes to output i.
+        idx = torch.arange(chunk, device=x.device, dtype=torch.float64)
+        gap = idx[:, None] - idx[None, :]
+        powers = torch.where(gap >= 0, c ** gap.clamp(min=0), 0.0).to(x.dtype)
+        solved = x @ powers
+        decay = (c ** torch.arange(chunk, 0, -1, device=x.device, dtype=torch.float64)).to(x.dtype)
+        for n in range(n_chunks - 2, -1, -1):  # carry A at the next chunk's start backwards
+            solved[:, n] += decay * solved[:, n + 1, :1]
+        lengths = torch.tensor([d.numel() for d in deltas], device=x.device)
+        valid = torch.arange(width, device=x.device) < lengths[:, None]
+        advantage_c = solved.view(len(deltas), -1)[:, :width][valid]
+        index = torch.cat(positions)
+        advantage[index] = advantage_c
+        target[index] = advantage_c + torch.cat(values)
+    return advantage.view_as(state_value), target.view_as(state_value)
+
+
+def memory_floor(
+    gamma: float,
+    lmbda: float,
+    state_value: Tensor,
+    next_state_value: Tensor,
+    reward: Tensor,
+    done: Tensor,
+    terminated: Tensor,
+    loss_mask: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Not an estimator: the memory traffic every one pays, as a unit of time.
+
+    One pass over the stream that reads each input the estimator reads once and writes two
+    outputs of its shape, in two ``torch.where`` kernels: ``where(loss_mask, reward, V)``
+    and ``where(done, V', terminated)``. The numbers mean nothing (``gamma`` and ``lmbda`` are
+    ignored); only the time does: every other row of the table can be read as a multiple of it.
+    """
+    mask = loss_mask.reshape(reward.shape)
+    return (torch.where(mask, reward, state_value),
+            torch.where(done, next_state_value, terminated.to(next_state_value.dtype)))
+
+
 # -- agreement and measurement ------------------------------------------------
 
 
@@ -319,12 +422,13 @@ def check_agreement(
 
     With ``c = gamma * lmbda`` an advantage sums deltas with weights adding up to
     ``S = 1 / (1 - c)`` (``T`` if ``c == 1``), so sums in different orders differ by about
-    ``eps * S`` relative: ``per_sample`` and ``per_step`` must be within ``16 * eps * S``
-    of ``ours``. ``ours_module`` also: ``MaskedGAE`` stores ``gamma`` and ``lmbda`` as
+    ``eps * S`` relative: ``per_sample``, ``per_step`` and ``reference`` must be within
+    ``16 * eps * S`` of ``ours``. ``ours_module`` also: ``MaskedGAE`` stores ``gamma`` and ``lmbda`` as
     float32 buffers, which moves ``c`` by up to ``2**-24`` relative and ``A`` by up to
     ``2**-24 * S**2`` relative. ``torchrl_all_ones`` against ``ours_all_ones``: TorchRL drops
     the filter terms below ``1e-7``, so it misses up to ``c**K * S * max|delta|`` (``K`` the
-    filter length), plus rounding. Masked steps must hold exactly ``0``.
+    filter length), plus rounding. Masked steps must hold exactly ``0``. ``floor`` computes
+    nothing to compare; its outputs must only have the estimator's shape.
     """
     eps = torch.finfo(workload.state_value.dtype).eps
     errors = {}
@@ -343,7 +447,7 @@ def check_agreement(
     c = gamma * lmbda
     weight_sum = max(1.0, steps if c >= 1 else 1.0 / (1.0 - c))
     tolerance = 16 * eps * weight_sum
-    for key in ("per_sample", "per_step"):
+    for key in ("per_sample", "per_step", "reference"):
         if key in outputs:
             compare(key, "ours", atol=tolerance, rtol=tolerance)
     if "ours_module" in outputs:
@@ -358,9 +462,11 @@ def check_agreement(
             truncation = c**length * weight_sum
         atol = (truncation + tolerance) * _max_abs(delta.double())
         compare("torchrl_all_ones", "ours_all_ones", atol=atol, rtol=tolerance)
+    if "floor" in outputs and any(x.shape != workload.state_value.shape for x in outputs["floor"]):
+        raise AssertionError("floor outputs do not have the shape of state_value")
     masked = ~workload.loss_mask.unsqueeze(-1)
     for key, (advantage, target) in outputs.items():
-        if key not in ("ours_all_ones", "torchrl_all_ones") and (
+        if key not in ("ours_all_ones", "torchrl_all_ones", "floor") and (
             bool(advantage[masked].any()) or bool(target[masked].any())
         ):
             raise AssertionError(f"{key} is not exactly 0 at masked steps")
@@ -460,6 +566,8 @@ def _implementations(
         "ours_module": run_module,
         "per_sample": lambda: per_sample_packed_scan_gae(gamma, lmbda, *inputs, chunk=chunk),
         "per_step": lambda: per_step_loop_gae(gamma, lmbda, *inputs),
+        "reference": lambda: reference_algorithm_gae(gamma, lmbda, *inputs),
+        "floor": lambda: memory_floor(gamma, lmbda, *inputs),
         "ours_all_ones": lambda: masked_generalized_advantage_estimate(
             gamma, lmbda, *inputs[:-1], ones),
         "torchrl_all_ones": lambda: vec_generalized_advantage_estimate(
