@@ -1,0 +1,222 @@
+"""masked_rl.functional under overflow and non-finite values, gradients in gamma and lmbda, and
+the hot path's helpers (bitwise selection, run sums, the scan) against plain references.
+
+Every containment test runs on both code paths: without autograd (bitwise selections, NumPy
+run sums on the CPU) and with autograd (``torch.where``, ``index_add_``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from masked_gae_reference import make_rollout
+
+from masked_rl import masked_generalized_advantage_estimate as mgae
+from masked_rl.functional import (
+    _flat_nonzero,
+    _reverse_linear_scan,
+    _run_sums,
+    _scan_levels,
+    _where,
+    _zero_where,
+)
+
+
+def bits(x):
+    """A float tensor's bits as integers, so that NaN payloads and -0.0 compare exactly."""
+    return x.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()])
+
+
+def episode_ids(done):
+    """``[B, T, 1]`` done -> ``[B, T]`` episode number, unique across rows (row ends end episodes)."""
+    rows, horizon = done.shape[:2]
+    ends = done.squeeze(-1).clone()
+    ends[:, -1] = True
+    starts = torch.cat((torch.ones(rows, 1, dtype=torch.bool), ends[:, :-1]), 1)
+    return torch.cumsum(starts.reshape(-1), 0).view(rows, horizon)
+
+
+# --- issue 10 item 1: overflow stays in its own episode -----------------------------------------
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_overflow_in_one_row_leaves_the_other_row_exact(requires_grad):
+    # float32, gamma = lmbda = 1: row 1's sums overflow to inf; row 0 must not see a NaN.
+    reward = torch.ones(2, 8, 1)
+    reward[1] = 2e38
+    value = torch.zeros(2, 8, 1, requires_grad=requires_grad)
+    done = torch.zeros(2, 8, 1, dtype=torch.bool)
+    done[:, -1] = True
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    adv, target = mgae(1.0, 1.0, value, value.detach(), reward, done, done, mask)
+    assert adv[0].flatten().tolist() == [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    assert target[0].flatten().tolist() == [8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0]
+    assert torch.isinf(adv[1, :-1]).all() and adv[1, -1].item() == pytest.approx(2e38)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("overflowing_episode", [0, 1])
+def test_overflow_in_one_episode_leaves_its_neighbours_bit_identical(requires_grad, overflowing_episode):
+    # Three episodes in a row with masked gaps; one overflows inside the scan from finite data.
+    value, next_value, reward, done, terminated, mask = make_rollout(2, 30, p_done=0.0, seed=5,
+                                                                      dtype=torch.float32)
+    done[:, 9] = terminated[:, 9] = done[:, 19] = True
+    mask[:] = True
+    mask[:, 3:6] = mask[:, 12:14] = False
+    clean = mgae(0.99, 1.0, value, next_value, reward, done, terminated, mask)
+    lo, hi = (0, 10) if overflowing_episode == 0 else (10, 20)
+    # Finite deltas (no reward on masked steps to fold): the sums overflow in the scan itself.
+    reward[0, lo:hi] = torch.where(mask[0, lo:hi, None], 1e38, 0.0)
+    value.requires_grad_(requires_grad)
+    got = mgae(0.99, 1.0, value, next_value, reward, done, terminated, mask)
+    outside = torch.ones(2, 30, 1, dtype=torch.bool)
+    outside[0, lo:hi] = False
+    for want, have in zip(clean, got):
+        have = have.detach()
+        assert torch.equal(bits(have[outside]), bits(want[outside]))
+        assert torch.isinf(have[0, lo:hi][mask[0, lo:hi]]).any()
+
+
+@st.composite
+def poisoned_rollouts(draw):
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    rows, horizon = draw(st.integers(1, 3)), draw(st.integers(1, 30))
+    data = list(make_rollout(rows, horizon, p_mask=draw(st.sampled_from([0.3, 0.7, 1.0])),
+                             p_done=draw(st.sampled_from([0.0, 0.2, 0.5])),
+                             seed=draw(st.integers(0, 2**31 - 1)), dtype=dtype))
+    gamma = draw(st.sampled_from([0.0, 0.5, 0.99, 1.0]))
+    lmbda = draw(st.sampled_from([0.0, 0.95, 1.0]))
+    finfo = torch.finfo(dtype)
+    poison = st.sampled_from([math.nan, math.inf, -math.inf, finfo.max, -finfo.max, finfo.max / 3])
+    # (tensor index in data: 0 V, 1 V', 2 reward; row; step; value), at least one.
+    hits = draw(st.lists(st.tuples(st.integers(0, 2), st.integers(0, rows - 1),
+                                   st.integers(0, horizon - 1), poison), min_size=1, max_size=6))
+    # Poison the hits, or flood the episode's actions with large finite rewards, or both.
+    mode = draw(st.sampled_from(["poison", "flood", "both"]))
+    return gamma, lmbda, data, hits, mode
+
+
+@settings(max_examples=120, deadline=None)
+@given(poisoned_rollouts(), st.booleans())
+def test_any_value_in_one_episode_leaves_every_other_episode_bit_identical(case, requires_grad):
+    gamma, lmbda, data, hits, mode = case
+    clean = mgae(gamma, lmbda, *data)
+    ids = episode_ids(data[3])
+    victim = ids[hits[0][1], hits[0][2]]
+    dirty = [x.clone() for x in data]
+    if mode != "poison":  # finite deltas whose sums overflow inside the scan
+        in_victim = (ids == victim).unsqueeze(-1)
+        large = torch.full_like(dirty[2], torch.finfo(dirty[2].dtype).max / 4)
+        flooded = torch.where(data[5].unsqueeze(-1), large, torch.zeros_like(large))
+        dirty[2] = torch.where(in_victim, flooded, dirty[2])
+    for which, row, step, poison in hits if mode != "flood" else []:
+        if ids[row, step] == victim:  # every hit lands in the one victim episode
+            dirty[which][row, step] = poison
+    dirty[0].requires_grad_(requires_grad)
+    got = mgae(gamma, lmbda, *dirty)
+    others = (ids != victim).unsqueeze(-1)
+    for want, have in zip(clean, got):
+        assert torch.equal(bits(have.detach()[others]), bits(want[others]))
+
+
+# --- issue 10 item 3: gradients with respect to tensor gamma and lmbda --------------------------
+
+
+@pytest.mark.parametrize("wrt", ["gamma", "lmbda"])
+@pytest.mark.parametrize("masked_value_targets", [False, True])
+def test_gradient_wrt_gamma_and_lmbda_matches_finite_differences(wrt, masked_value_targets):
+    data = make_rollout(2, 15, p_done=0.2, seed=3)
+    weights = torch.randn(2, 15, 1, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    point = {"gamma": 0.9, "lmbda": 0.8}
+
+    def objective(gamma, lmbda):
+        out = mgae(gamma, lmbda, *data, masked_value_targets=masked_value_targets)
+        return (out[0] * weights).sum() + (out[1] * weights).sum()
+
+    tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in point.items()}
+    objective(**tensors).backward()
+    eps = 1e-6
+    with torch.no_grad():
+        up = objective(**{**point, wrt: point[wrt] + eps})
+        down = objective(**{**point, wrt: point[wrt] - eps})
+    numeric = float(up - down) / (2 * eps)
+    assert tensors[wrt].grad.item() == pytest.approx(numeric, rel=1e-6, abs=1e-8)
+    assert numeric != 0.0
+
+
+def test_tensor_gamma_with_gradient_gives_the_float_values():
+    data = make_rollout(3, 40, seed=8)
+    want = mgae(0.99, 0.95, *data)
+    gamma = torch.tensor(0.99, dtype=torch.float64, requires_grad=True)
+    lmbda = torch.tensor([0.95], dtype=torch.float64, requires_grad=True)
+    got = mgae(gamma, lmbda, *data)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-12)
+
+
+# --- the hot path's helpers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_bitwise_where_is_torch_where_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    specials = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, 1.0], dtype=dtype)
+    a = torch.cat((torch.randn(200, generator=gen).to(dtype), specials))
+    b = torch.cat((specials, torch.randn(200, generator=gen).to(dtype)))
+    cond = torch.rand(a.numel(), generator=gen) < 0.5
+    assert torch.equal(bits(_where(cond, a, b)), bits(torch.where(cond, a, b)))
+    assert torch.equal(bits(_where(cond, a, 0.0)), bits(torch.where(cond, a, 0.0)))
+    assert torch.equal(bits(_zero_where(cond, a)), bits(torch.where(cond, 0.0, a)))
+    with pytest.raises(ValueError, match="other"):
+        _where(cond, a, -0.0)
+
+
+def runs_of(marker):
+    """Plain Python: the [start, end] step range of every run (a marker starts a run)."""
+    starts = [i for i, flag in enumerate(marker.tolist()) if flag]
+    return list(zip(starts, [s - 1 for s in starts[1:]] + [marker.numel() - 1]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("requires_grad", [False, True])  # NumPy reduceat / index_add_
+def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
+    gen = torch.Generator().manual_seed(seed)
+    length = 300
+    marker = torch.rand(length, generator=gen) < [0.05, 0.5, 0.95][seed]
+    marker[0] = True
+    marker[-1] = bool(seed % 2)  # a last run of one step, or longer
+    values = torch.randn(length, generator=gen, dtype=torch.float64)
+    values[7] = math.nan
+    pos = _flat_nonzero(marker)
+    nxt = torch.cat((pos[1:] - 1, torch.tensor([length - 1])))
+    want = [sum(values[a : b + 1].tolist()) for a, b in runs_of(marker)]
+    got = _run_sums(values.clone().requires_grad_(requires_grad), marker, pos, nxt, nxt == pos)
+    torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64),
+                               rtol=1e-12, atol=1e-12, equal_nan=True)
+    assert got.isnan().sum() == 1
+
+
+def serial_scan(delta, gate, c):
+    x = delta.tolist()
+    for j in range(len(x) - 2, -1, -1):
+        if gate[j]:
+            x[j] += c * x[j + 1]
+    return torch.tensor(x, dtype=delta.dtype)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 64, 1000])
+@pytest.mark.parametrize("c", [0.0, 0.5, 0.95, 1.0])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_reverse_linear_scan_matches_the_serial_recurrence(length, c, requires_grad):
+    gen = torch.Generator().manual_seed(length)
+    delta = torch.randn(length, generator=gen, dtype=torch.float64)
+    gate = torch.rand(length, generator=gen) < 0.9
+    gate[-1] = False
+    delta_in, gate_in = delta.clone().requires_grad_(requires_grad), gate.clone()
+    got = _reverse_linear_scan(delta_in, gate_in, _scan_levels(c, length, torch.float64))
+    torch.testing.assert_close(got.detach(), serial_scan(delta, gate, c), rtol=1e-12, atol=1e-12)
+    assert torch.equal(delta_in.detach(), delta) and torch.equal(gate_in, gate)  # inputs untouched
