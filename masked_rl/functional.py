@@ -208,23 +208,26 @@ def _reverse_linear_scan(
         return x
     n, pad = length, levels[-1][0]
     bits = _BITS[delta.dtype]
-    # Row 0 and row 1 swap roles every level; the pad (k_max zeros, gate false) lets every
-    # level read x[j + k] for all j < n.
-    x_buf = delta.new_zeros(2, n + pad)
-    x_buf[0, :n] = delta
-    g_buf = torch.zeros(2, n + pad, dtype=bits, device=delta.device)
-    torch.neg(gate.to(bits), out=g_buf[0, :n])  # true -> all bits set
-    x_int = x_buf.view(bits)
+    # Two rows that swap roles every level; the pad (k_max zeros, gate false) lets every level
+    # read x[j + k] for all j < n.
+    x_buf = delta.new_empty(2, n + pad)
+    g_buf = torch.empty(2, n + pad, dtype=bits, device=delta.device)
+    x_buf[:, n:] = 0
+    g_buf[:, n:] = 0
+    x_rows, g_rows = x_buf.unbind(0), g_buf.unbind(0)
+    x_bits = [row.view(bits) for row in x_rows]
+    x_head, g_head = [row[:n] for row in x_rows], [row[:n] for row in g_rows]
+    x_head[0].copy_(delta)
+    torch.neg(gate.to(bits), out=g_head[0])  # true -> all bits set
     carry = torch.empty_like(delta)
-    src = 0
+    carry_bits = carry.view(bits)
     for level, (k, ck) in enumerate(levels):
-        dst = 1 - src
-        torch.bitwise_and(x_int[src, k : k + n], g_buf[src, :n], out=carry.view(bits))
-        torch.add(x_buf[src, :n], carry, alpha=ck, out=x_buf[dst, :n])
+        src, dst = level % 2, 1 - level % 2
+        torch.bitwise_and(x_bits[src][k : k + n], g_head[src], out=carry_bits)
+        torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
         if level < len(levels) - 1:
-            torch.bitwise_and(g_buf[src, :n], g_buf[src, k : k + n], out=g_buf[dst, :n])
-        src = dst
-    return x_buf[src, :n]
+            torch.bitwise_and(g_head[src], g_rows[src][k : k + n], out=g_head[dst])
+    return x_head[len(levels) % 2]
 
 
 # The integer dtype of each float dtype's bits, for selections by bitwise ``and``.
@@ -289,15 +292,18 @@ def _run_sums(values: Tensor, marker: Tensor, pos: Tensor, nxt: Tensor, single: 
         run = _run_index(marker)
         return values.new_zeros(pos.numel() + 1).index_add_(0, run, values)[1:]
     sums = values.index_select(0, pos)
-    longer = _flat_nonzero(single.logical_not())
-    if longer.numel():
-        bounds = torch.stack((pos.index_select(0, longer), nxt.index_select(0, longer)), 1)
-        bounds = bounds.add_(1).view(-1).numpy()
+    longer = np.flatnonzero(~single.numpy())
+    if longer.size:
+        # [start, end) of each longer run's tail, alternating; the last end may be the
+        # stream's end, where reduceat's last segment stops anyway.
+        bounds = np.empty(2 * longer.size, dtype=np.int64)
+        bounds[0::2] = pos.numpy()[longer] + 1
+        bounds[1::2] = nxt.numpy()[longer] + 1
         if bounds[-1] == values.numel():
-            bounds = bounds[:-1]  # the last segment of reduceat runs to the end
+            bounds = bounds[:-1]
         with np.errstate(all="ignore"):  # overflow to inf is the caller's data, as in torch
             tails = np.add.reduceat(values.numpy(), bounds)[::2]
-        sums.index_add_(0, longer, torch.from_numpy(np.ascontiguousarray(tails)))
+        sums.numpy()[longer] += tails  # indices are unique
     return sums
 
 
@@ -462,7 +468,8 @@ def masked_generalized_advantage_estimate(
     # V'[t_j] (equal to V[t_j + 1] in a rollout, and what TorchRL reads); else V[t_{j+1}].
     # Selections, never products: NaN or inf stored where it is not read must not leak.
     # (terminated implies done, checked above, so terminated[nxt] implies last.)
-    bootstrap = _where(last | single, next_value.index_select(0, nxt), value_c.roll(-1))
+    following = torch.cat((value_c[1:], value_c[:1]))  # V at the next marker (wraps at the end)
+    bootstrap = _where(last | single, next_value.index_select(0, nxt), following)
     bootstrap = _zero_where(term.index_select(0, nxt), bootstrap)
     if _needs_autograd(gamma_t):
         delta = bootstrap.mul_(gamma_t).add_(folded)
