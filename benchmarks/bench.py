@@ -604,6 +604,13 @@ def evaluate_targets(results: list[dict]) -> list[dict]:
                 if s[0] >= 512 and s[0] * s[1] >= 512 * 1024 and ratio(s, "per_sample")]
     add(">= 3x faster than per_sample at 512x1024 and larger batches", measured,
         all(v >= 3.0 for _, v in measured))
+    measured = [(label(s), ratio(s, "reference")) for s in shapes if ratio(s, "reference")]
+    add(">= 2x faster than the reference algorithm (reference / ours >= 2)", measured,
+        all(v >= 2.0 for _, v in measured))
+    measured = [(label(s), by[(*s, "ours")]["floor_ratio"]) for s in shapes
+                if s[0] * s[1] >= 2**18 and (*s, "ours") in by and by[(*s, "ours")]["floor_ratio"]]
+    add("<= 3x the memory floor at >= 256k steps (ours / floor)", measured,
+        all(v <= 3.0 for _, v in measured))
     measured = [(label(s), ratio(s, "per_step")) for s in shapes if s == (64, 4096)
                 and ratio(s, "per_step")]
     add(">= 30x faster than per_step at 64x4096", measured, all(v >= 30.0 for _, v in measured))
@@ -671,18 +678,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _format_table(results: list[dict], header: list[str]) -> str:
-    columns = ("shape", "implementation", "median ms", "x ours", "peak MiB")
+    columns = ("shape", "implementation", "median ms", "x ours", "x floor", "peak MiB")
     lines = []
     previous = None
     for r in results:
         shape = f"{r['batch']}x{r['steps']}"
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        floor = "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}"
         lines.append((shape if shape != previous else "", IMPLEMENTATIONS[r["implementation"]][0],
-                      f"{r['median_ms']:.2f}", ratio, peak))
+                      f"{r['median_ms']:.2f}", ratio, floor, peak))
         previous = shape
-    widths = [max(len(columns[i]), *(len(line[i]) for line in lines)) for i in range(5)]
-    aligns = ("<", "<", ">", ">", ">")
+    widths = [max(len(columns[i]), *(len(line[i]) for line in lines)) for i in range(len(columns))]
+    aligns = ("<", "<", ">", ">", ">", ">")
 
     def fmt(cells: Sequence[str]) -> str:
         return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, aligns, widths))
@@ -770,6 +778,7 @@ def main(argv: list[str] | None = None) -> int:
                     "median_ms": medians[key] * 1e3,
                     "ratio": medians[key] / medians[reference] if reference in medians else None,
                     "ratio_to": reference,
+                    "floor_ratio": medians[key] / medians["floor"] if "floor" in medians else None,
                     "peak_bytes": peaks[key],
                     "repeats": args.repeats,
                     "calls_per_sample": calls[key],
@@ -789,7 +798,9 @@ def main(argv: list[str] | None = None) -> int:
         f"1-min load average {load_before} before, {load_after} after "
         f"on {os.cpu_count()} CPUs (other processes skew CPU timings)",
         "x ours = median / median of ours on the same mask (masked rows: masked_gae function; "
-        "all-ones rows: masked_gae with an all-ones mask); > 1 means ours is faster",
+        "all-ones rows: masked_gae with an all-ones mask); > 1 means ours is faster; "
+        "x floor = median / median of the memory floor (one read of the inputs, one write of "
+        "two outputs)",
         f"peak MiB = peak live bytes allocated during one call, outputs included ({memory_note})"
         if measure_memory else "peak MiB: not measured (--no-memory)",
     ]
@@ -813,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     fields = ["batch", "steps", "implementation", "label", "median_ms", "ratio", "ratio_to",
+              "floor_ratio",
               "peak_bytes", "min_ms", "repeats", "calls_per_sample"]
     with open(args.out / "bench.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
