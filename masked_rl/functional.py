@@ -1,6 +1,6 @@
 """Masked Generalized Advantage Estimation as pure tensor functions.
 
-The semantics are fixed by the project's contract (``SPEC.md``): GAE runs on the
+The semantics (``docs/semantics.md``, with worked cases) in short: GAE runs on the
 compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episode.
 
 * A reward emitted on a masked step is credited, undiscounted, to the last

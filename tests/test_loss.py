@@ -1,4 +1,7 @@
-"""attach_masked_gae and MaskedClipPPOLoss: PPO terms over trainable steps only (SPEC "Loss side")."""
+"""attach_masked_gae and MaskedClipPPOLoss: PPO terms over trainable steps only.
+
+docs/semantics.md, "The loss side".
+"""
 
 from __future__ import annotations
 
