@@ -1,6 +1,6 @@
 """Masked Generalized Advantage Estimation as pure tensor functions.
 
-The semantics are fixed by the project's contract (``SPEC.md``): GAE runs on the
+The semantics (``docs/semantics.md``, with worked cases) in short: GAE runs on the
 compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episode.
 
 * A reward emitted on a masked step is credited, undiscounted, to the last
@@ -554,6 +554,13 @@ def masked_standardize(
         ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps.
         The std is the unbiased std over trainable steps, clamped at ``eps`` (``1e-4``, as in
         TorchRL), so an all-ones mask gives exactly ``(adv - adv.mean()) / adv.std()``.
+
+    Examples:
+        >>> import torch
+        >>> adv = torch.tensor([[1.0, 9.0, 3.0]]).unsqueeze(-1)          # [B, T, 1]
+        >>> mask = torch.tensor([[True, False, True]]).unsqueeze(-1)
+        >>> masked_standardize(adv, mask).squeeze(-1)
+        tensor([[-0.7071,  0.0000,  0.7071]])
     """
     mask = loss_mask.expand_as(advantage)
     weight = mask.to(advantage.dtype)
