@@ -17,6 +17,7 @@ from masked_gae_reference import make_rollout
 
 from masked_rl import masked_generalized_advantage_estimate as mgae
 from masked_rl.functional import (
+    _any,
     _flat_nonzero,
     _reverse_linear_scan,
     _run_sums,
@@ -220,3 +221,11 @@ def test_reverse_linear_scan_matches_the_serial_recurrence(length, c, requires_g
     got = _reverse_linear_scan(delta_in, gate_in, _scan_levels(c, length, torch.float64))
     torch.testing.assert_close(got.detach(), serial_scan(delta, gate, c), rtol=1e-12, atol=1e-12)
     assert torch.equal(delta_in.detach(), delta) and torch.equal(gate_in, gate)  # inputs untouched
+
+
+def test_any_of_bool_flags():
+    flags = torch.zeros(3, 1000, dtype=torch.bool)
+    assert not _any(flags) and not _any(flags[:, :0]) and _any(flags).shape == ()
+    flags[2, 999] = True
+    assert _any(flags) and _any(flags.t()) and _any(flags[2:, None].expand(2, 4, 1000))
+    assert not _any(flags[:2])
