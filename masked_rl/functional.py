@@ -196,13 +196,18 @@ def _reverse_linear_scan(
     delta_i`` over the window ``[j, j + 2k)`` cut at the episode's end, and ``gate_j`` says
     whether that window lies in one episode: ``x_j += c**k * (x_{j+k} if gate_j else 0)``,
     then ``gate_j &= gate_{j+k}``. One level per coefficient: ``O(M log M)`` work, ``O(M)``
-    memory, no host synchronisation.
+    memory.
 
     A window crossing an episode end must contribute exactly nothing, also when the other
-    episode holds NaN or inf or overflows in the scan, so the carry is selected, never
-    multiplied by a 0/1 gate (``0 * inf`` is NaN). Without autograd the selection is a bitwise
-    ``and`` with an all-ones / all-zeros integer mask (:func:`_where`), in padded ping-pong
-    buffers: three whole-length kernels per level, no tail copies, no allocation in the loop.
+    episode holds NaN or inf or overflows in the scan: ``0 * inf`` is NaN, so a product with
+    a 0/1 gate is only exact while every value is finite. Each level only adds to ``x_j``, so
+    a non-finite value anywhere in the scan stays non-finite in the result. On the CPU the
+    fused product (two kernels a level) runs first and is kept when the sum of its result is
+    finite (one host synchronisation); otherwise, and on other devices, the carry is
+    selected: a bitwise ``and`` with an all-ones / all-zeros integer mask (:func:`_where`,
+    three kernels a level). Both run in padded ping-pong buffers (no tail copies, no
+    allocation in the loop) and give the same bits where both are exact. Under autograd
+    the carry is selected with ``torch.where``.
     """
     length = delta.shape[0]
     levels = [(1 << level, ck) for level, ck in enumerate(coefficients) if (1 << level) < length]
@@ -212,32 +217,51 @@ def _reverse_linear_scan(
         x = delta
         for k, ck in levels:
             carry = torch.where(gate[:-k], x[k:], 0.0)
-            # add(alpha=) rounds as the kernel below does; a tensor c keeps its gradient.
+            # add(alpha=) rounds as the kernels below do; a tensor c keeps its gradient.
             step = x[:-k] + ck * carry if isinstance(ck, Tensor) else torch.add(x[:-k], carry, alpha=ck)
             x = torch.cat((step, x[-k:]))
             gate = torch.cat((gate[:-k] & gate[k:], gate.new_zeros(k)))
         return x
-    n, pad = length, levels[-1][0]
+    if delta.device.type == "cpu":
+        x = _doubling_scan(delta, gate, levels, fused=True)
+        if bool(torch.isfinite(x.sum())):
+            return x
+    return _doubling_scan(delta, gate, levels, fused=False)
+
+
+def _doubling_scan(
+    delta: Tensor, gate: Tensor, levels: list[tuple[int, float]], *, fused: bool
+) -> Tensor:
+    """The levels of :func:`_reverse_linear_scan` without autograd: the gate as a 0/1 float
+    multiplied into the carry (``fused``), or as an integer mask selecting it."""
+    n, pad = delta.shape[0], levels[-1][0]
     bits = _BITS[delta.dtype]
     # Two rows that swap roles every level; the pad (k_max zeros, gate false) lets every level
     # read x[j + k] for all j < n.
     x_buf = delta.new_empty(2, n + pad)
-    g_buf = torch.empty(2, n + pad, dtype=bits, device=delta.device)
+    g_buf = torch.empty(2, n + pad, dtype=delta.dtype if fused else bits, device=delta.device)
     x_buf[:, n:] = 0
     g_buf[:, n:] = 0
     x_rows, g_rows = x_buf.unbind(0), g_buf.unbind(0)
-    x_bits = [row.view(bits) for row in x_rows]
     x_head, g_head = [row[:n] for row in x_rows], [row[:n] for row in g_rows]
     x_head[0].copy_(delta)
-    torch.neg(gate.to(bits), out=g_head[0])  # true -> all bits set
-    carry = torch.empty_like(delta)
-    carry_bits = carry.view(bits)
+    if fused:
+        g_head[0].copy_(gate)
+    else:
+        torch.neg(gate.to(bits), out=g_head[0])  # true -> all bits set
+        x_bits = [row.view(bits) for row in x_rows]
+        carry = torch.empty_like(delta)
+        carry_bits = carry.view(bits)
     for level, (k, ck) in enumerate(levels):
         src, dst = level % 2, 1 - level % 2
-        torch.bitwise_and(x_bits[src][k : k + n], g_head[src], out=carry_bits)
-        torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
+        if fused:
+            torch.addcmul(x_head[src], g_head[src], x_rows[src][k : k + n], value=ck, out=x_head[dst])
+        else:
+            torch.bitwise_and(x_bits[src][k : k + n], g_head[src], out=carry_bits)
+            torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
         if level < len(levels) - 1:
-            torch.bitwise_and(g_head[src], g_rows[src][k : k + n], out=g_head[dst])
+            # The 0/1 floats multiply exactly; the masks combine by a bitwise and.
+            (torch.mul if fused else torch.bitwise_and)(g_head[src], g_rows[src][k : k + n], out=g_head[dst])
     return x_head[len(levels) % 2]
 
 

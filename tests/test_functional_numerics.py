@@ -18,6 +18,7 @@ from masked_gae_reference import make_rollout
 from masked_rl import masked_generalized_advantage_estimate as mgae
 from masked_rl.functional import (
     _any,
+    _doubling_scan,
     _flat_nonzero,
     _reverse_linear_scan,
     _run_sums,
@@ -229,3 +230,17 @@ def test_any_of_bool_flags():
     flags[2, 999] = True
     assert _any(flags) and _any(flags.t()) and _any(flags[2:, None].expand(2, 4, 1000))
     assert not _any(flags[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_and_selecting_scans_agree_bit_for_bit_on_finite_data(dtype):
+    # The CPU keeps the fused scan only when it is exact; the fallback must then give the same
+    # bits, or a NaN in one episode would move the rounding of every other one.
+    gen = torch.Generator().manual_seed(1)
+    delta = torch.randn(5000, generator=gen, dtype=torch.float64).to(dtype) * 1e3
+    gate = torch.rand(5000, generator=gen) < 0.99
+    gate[-1] = False
+    levels = [(1 << i, c) for i, c in enumerate(_scan_levels(0.97, 5000, dtype))]
+    fused = _doubling_scan(delta, gate, levels, fused=True)
+    selected = _doubling_scan(delta, gate, levels, fused=False)
+    assert torch.equal(bits(fused), bits(selected))
