@@ -461,9 +461,13 @@ def masked_generalized_advantage_estimate(
             return empty, empty.clone(), torch.zeros_like(empty, dtype=torch.bool)
         return empty, empty.clone()
 
+    # Time already varies fastest when every dim after it has size 1 (TorchRL's [*B, T, 1]):
+    # then moving it last changes no element's place, and plain reshapes do.
+    time_fastest = all(size == 1 for size in state_value.shape[time_dim + 1 :])
+
     def stream(x: Tensor) -> Tensor:
         # [*B, T, F] -> [N * T] with time fastest, so each row is a contiguous run.
-        return x.movedim(time_dim, -1).reshape(-1)
+        return x.reshape(-1) if time_fastest else x.movedim(time_dim, -1).reshape(-1)
 
     value = stream(state_value).to(dtype)
     next_value = stream(next_state_value).to(dtype)
@@ -522,6 +526,8 @@ def masked_generalized_advantage_estimate(
 
     def unstream(x: Tensor) -> Tensor:
         full = x if x.numel() == length else x.new_zeros(length).scatter_(0, pos, x)
+        if time_fastest:
+            return full.view(state_value.shape).to(out_dtype)
         return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
 
     if not masked_value_targets:
