@@ -283,8 +283,8 @@ def _needs_autograd(*tensors: object) -> bool:
 def _where(condition: Tensor, input: Tensor, other: Tensor | float) -> Tensor:
     """``torch.where(condition, input, other)``, bit for bit; ``other`` a tensor or ``0.0``.
 
-    Without autograd it selects with integer masks (all bits set where ``condition``):
-    ``(input & mask) | (other & ~mask)`` on the floats' bits. ``torch.where`` and
+    Without autograd it selects with an integer mask (all bits set where ``condition``) on
+    the floats' bits: ``other ^ ((input ^ other) & mask)``, or ``input & mask``. ``torch.where`` and
     ``masked_fill_`` take about 1 ns per element on the CPU when the condition is irregular
     (a branch per element), 10-20 times an arithmetic kernel; the bitwise form runs at memory
     speed on every device, and like ``where`` it never lets a NaN or inf of the unselected
@@ -294,10 +294,12 @@ def _where(condition: Tensor, input: Tensor, other: Tensor | float) -> Tensor:
         return torch.where(condition, input, other)
     bits = _BITS[input.dtype]
     mask = condition.to(bits).neg_()
-    out = torch.bitwise_and(input.view(bits), mask)
     if isinstance(other, Tensor):
-        out.bitwise_or_(other.view(bits).bitwise_and(mask.bitwise_not_()))
-    elif other != 0.0 or math.copysign(1.0, other) < 0:
+        other_bits = other.view(bits)
+        out = torch.bitwise_xor(input.view(bits), other_bits).bitwise_and_(mask).bitwise_xor_(other_bits)
+    elif other == 0.0 and math.copysign(1.0, other) > 0:
+        out = torch.bitwise_and(input.view(bits), mask)
+    else:
         raise ValueError(f"other must be a tensor or 0.0, got {other}")
     return out.view(input.dtype)
 
