@@ -17,8 +17,10 @@ from masked_rl_benchmarks.bench import (
     check_agreement,
     cpu_peak_bytes,
     make_workload,
+    memory_floor,
     per_sample_packed_scan_gae,
     per_step_loop_gae,
+    reference_algorithm_gae,
 )
 from masked_rl.functional import masked_generalized_advantage_estimate
 
@@ -123,6 +125,51 @@ def test_comparators_ignore_masked_values():
             assert torch.equal(clean, got)
 
 
+def one_episode_batch(seed, rows=5, steps=50):
+    """The reference system's setting: one episode per row (done only at the row's last step),
+    rewards on trainable steps and in the masked tail after the last one; a fully masked row, a
+    truncated row (bootstraps from V'), a row ending on a trainable step."""
+    value, next_value, reward, done, terminated, mask = random_batch(seed, rows, steps)
+    done[:] = False
+    done[:, -1] = True
+    terminated[:] = done
+    terminated[1, -1] = False
+    mask[2] = False
+    mask[3, -1] = True
+    last = torch.where(mask, torch.arange(steps), -1).amax(1, keepdim=True)
+    # No reward on a masked step before the last trainable step (the reference drops those).
+    reward = torch.where(mask | (torch.arange(steps) > last), reward, 0.0)
+    return value, next_value, reward, done, terminated, mask
+
+
+@pytest.mark.parametrize("chunk", [128, 4, 1])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("gamma, lmbda", [(0.99, 0.95), (1.0, 1.0), (0.9, 0.0), (0.0, 0.5)])
+def test_reference_algorithm_matches_serial_reference_on_one_episode_rows(chunk, seed, gamma, lmbda):
+    batch = one_episode_batch(seed)
+    want_adv, want_target = reference_masked_gae(gamma, lmbda, *batch)
+    adv, target = reference_algorithm_gae(gamma, lmbda, *as_inputs(*batch), chunk=chunk)
+    torch.testing.assert_close(adv.squeeze(-1), want_adv, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(target.squeeze(-1), want_target, rtol=1e-10, atol=1e-10)
+    assert (adv.squeeze(-1)[2] == 0).all()  # the fully masked row
+
+
+def test_memory_floor_reads_every_input_and_writes_two_outputs():
+    workload = make_workload(3, 300, dtype=torch.float64, seed=2)
+    advantage, target = memory_floor(0.9, 0.9, *workload.inputs())
+    mask = workload.loss_mask.unsqueeze(-1)
+    assert advantage.shape == target.shape == workload.state_value.shape
+    assert torch.equal(advantage, torch.where(mask, workload.reward, workload.state_value))
+    assert torch.equal(target, torch.where(workload.done, workload.next_state_value,
+                                           workload.terminated.double()))
+    outputs = {"ours": masked_generalized_advantage_estimate(0.9, 0.9, *workload.inputs()),
+               "floor": (advantage, target)}
+    check_agreement(outputs, workload, 0.9, 0.9)  # the floor is not compared
+    outputs["floor"] = (advantage[:, :-1], target)
+    with pytest.raises(AssertionError, match="floor"):
+        check_agreement(outputs, workload, 0.9, 0.9)
+
+
 def test_workload_layout():
     workload = make_workload(16, 2000, seed=3)
     mask = workload.loss_mask
@@ -155,6 +202,7 @@ def test_check_agreement_accepts_the_workload_and_catches_a_bug():
         "ours": masked_generalized_advantage_estimate(1.0, 0.95, *inputs),
         "per_sample": per_sample_packed_scan_gae(1.0, 0.95, *inputs),
         "per_step": per_step_loop_gae(1.0, 0.95, *inputs),
+        "reference": reference_algorithm_gae(1.0, 0.95, *inputs),
     }
     errors = check_agreement(outputs, workload, 1.0, 0.95)
     assert max(errors.values()) < 1e-4
@@ -193,9 +241,12 @@ def test_bench_command_writes_table_csv_and_json(tmp_path):
     assert "USDT" not in proc.stderr  # the profiler's log lines are silenced
     with open(out / "bench.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 6
+    assert len(rows) == 2 * 8
     assert {r["implementation"] for r in rows} == {
-        "ours", "ours_module", "per_sample", "per_step", "ours_all_ones", "torchrl_all_ones"}
+        "ours", "ours_module", "per_sample", "per_step", "reference", "floor", "ours_all_ones",
+        "torchrl_all_ones"}
+    assert all(float(r["floor_ratio"]) > 0 for r in rows)
+    assert "x floor" in proc.stdout and "reference algorithm" in proc.stdout
     report = json.loads((out / "bench.json").read_text())
     assert report["config"]["shapes"] == [[3, 300], [2, 64]]
     assert all(r["median_ms"] > 0 and r["peak_bytes"] >= 0 for r in report["results"])
