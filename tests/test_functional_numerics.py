@@ -17,6 +17,7 @@ from masked_gae_reference import make_rollout
 
 from masked_rl import masked_generalized_advantage_estimate as mgae
 from masked_rl.functional import (
+    _BITWISE_MIN,
     _any,
     _doubling_scan,
     _flat_nonzero,
@@ -125,6 +126,26 @@ def test_any_value_in_one_episode_leaves_every_other_episode_bit_identical(case,
         assert torch.equal(bits(have.detach()[others]), bits(want[others]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_stream_keeps_nan_inf_and_overflow_in_their_episodes(dtype):
+    # Streams long enough for the bitwise selections (small ones use torch.where).
+    data = list(make_rollout(4, 8192, p_mask=0.6, p_done=0.01, seed=11, dtype=dtype))
+    clean = mgae(0.99, 0.97, *data)
+    ids = episode_ids(data[3])
+    assert (ids.unsqueeze(-1) >= 0).sum() > _BITWISE_MIN
+    dirty = [x.clone() for x in data]
+    victims = ids[:, [100, 5000]].flatten().unique()  # two episodes in every row
+    in_victims = torch.isin(ids, victims).unsqueeze(-1)
+    large = torch.full_like(dirty[2], torch.finfo(dtype).max / 8)
+    dirty[2] = torch.where(in_victims & data[5].unsqueeze(-1), large, dirty[2])
+    dirty[0][0, 100] = math.nan
+    dirty[1][1, 5000] = math.inf
+    got = mgae(0.99, 0.97, *dirty)
+    for want, have in zip(clean, got):
+        assert torch.equal(bits(have[~in_victims]), bits(want[~in_victims]))
+        assert not torch.isfinite(have[in_victims]).all()
+
+
 # --- issue 10 item 3: gradients with respect to tensor gamma and lmbda --------------------------
 
 
@@ -164,11 +185,12 @@ def test_tensor_gamma_with_gradient_gives_the_float_values():
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-def test_bitwise_where_is_torch_where_bit_for_bit(dtype):
+@pytest.mark.parametrize("size", [200, _BITWISE_MIN])  # torch.where below the threshold, bitwise above
+def test_bitwise_where_is_torch_where_bit_for_bit(dtype, size):
     gen = torch.Generator().manual_seed(0)
     specials = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, 1.0], dtype=dtype)
-    a = torch.cat((torch.randn(200, generator=gen).to(dtype), specials))
-    b = torch.cat((specials, torch.randn(200, generator=gen).to(dtype)))
+    a = torch.cat((torch.randn(size, generator=gen).to(dtype), specials))
+    b = torch.cat((specials, torch.randn(size, generator=gen).to(dtype)))
     cond = torch.rand(a.numel(), generator=gen) < 0.5
     assert torch.equal(bits(_where(cond, a, b)), bits(torch.where(cond, a, b)))
     assert torch.equal(bits(_where(cond, a, 0.0)), bits(torch.where(cond, a, 0.0)))
