@@ -22,14 +22,20 @@ compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episod
 Implementation: the batch is flattened to one stream of length ``L = N * T``
 (every row end is an episode end, so rows cannot leak into each other). The stream
 is cut at *markers*, the trainable steps and every episode's first step, and
-compressed to them with a single ``nonzero`` (the only host synchronisation). One
-``cumsum`` numbers each step's run and one ``index_add_`` folds every run's rewards
-into its marker, so a masked reward reaches the action before it and a reward
-before an episode's first action lands on a masked marker, whose delta is zeroed.
-The linear recurrence ``A_j = delta_j + gamma * lmbda * A_{j+1}`` (cut at episode
-ends) is solved by a reverse doubling scan in at most ``ceil(log2(T))`` vectorized
-passes. Memory is linear in ``L``; nothing of size ``T x T`` is built and no Python
-loop runs over rows, episodes or time steps.
+compressed to them with one ``nonzero``. Each marker's run (it and the masked steps
+up to the next marker) has its rewards summed into the marker, so a masked reward
+reaches the action before it and a reward before an episode's first action lands on
+a masked marker, whose delta is zeroed. The linear recurrence
+``A_j = delta_j + gamma * lmbda * A_{j+1}`` (cut at episode ends) is solved by a
+reverse doubling scan in at most ``ceil(log2(T))`` vectorized passes, and the results
+are scattered back. Memory is linear in ``L``; nothing of size ``T x T`` is built and
+no Python loop runs over rows, episodes or time steps.
+
+Selections that must not let a NaN or inf through (the carry across an episode end,
+masked markers, terminated bootstraps) are ``where``-selections, never products with
+a 0/1 mask; for large streams they run as bitwise masks (:func:`_where`), and the
+scan keeps its cheaper fused product only when the result proves it exact. On the
+CPU the ``nonzero`` and the reward runs use NumPy (faster single-threaded kernels).
 
 Reference: Schulman et al., "High-Dimensional Continuous Control Using
 Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
@@ -499,7 +505,7 @@ def masked_generalized_advantage_estimate(
     marker = torch.empty_like(end)
     torch.logical_or(m[1:], end[:-1], out=marker[1:])
     marker[0] = True
-    pos = _flat_nonzero(marker)  # the only host synchronisation
+    pos = _flat_nonzero(marker)  # on CUDA the hot path's only host synchronisation
     # In the compressed stream the marker after j is the next action of j's episode, or the
     # next episode's start; either way step nxt[j] (the one before it) ends j's run.
     nxt = torch.empty_like(pos)
