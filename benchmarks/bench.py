@@ -8,8 +8,9 @@ masked observation blocks (32 to 512), cut at ``T``; the episode terminates on t
 last step with a reward there (often on a masked observation step, so it must be folded).
 
 Implementations, timed in one process, interleaved (one sample of each per round, in a
-fresh seeded order every round), median of the rounds; a sample of a fast implementation
-repeats its call back to back until it spans ``--min-time-ms``:
+fresh seeded order every round), median of the rounds by the wall clock (``--clock cpu``:
+by this process's CPU time, which a busy machine skews far less); a sample of a fast
+implementation repeats its call back to back until it spans ``--min-time-ms``:
 
 ``ours``
     :func:`masked_rl.masked_generalized_advantage_estimate` on ``[N, T, 1]`` tensors.
@@ -661,6 +662,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-time-ms", type=float, default=50.0,
                         help="a timed sample repeats a fast call back to back until it spans "
                         "about this long (calibrated in the last warmup round; default 50)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time per call by the wall clock (default) or by this process's CPU "
+                        "time, which other processes on a busy machine skew far less (use it "
+                        "with --threads 1; CPU only); the other clock goes to the CSV and JSON")
     parser.add_argument("--gamma", type=float, default=1.0)
     parser.add_argument("--lmbda", type=float, default=0.95)
     parser.add_argument("--chunk", type=int, default=64, help="chunk of the per-sample scan")
@@ -678,7 +683,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _format_table(results: list[dict], header: list[str]) -> str:
-    columns = ("shape", "implementation", "median ms", "x ours", "x floor", "peak MiB")
+    clock = results[0]["clock"] if results else "wall"
+    columns = ("shape", "implementation", f"{clock} ms", "x ours", "x floor", "peak MiB")
     lines = []
     previous = None
     for r in results:
@@ -711,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
         parser.error("--repeats and --chunk must be >= 1 and --warmup >= 0")
     device = torch.device(args.device)
+    if device.type == "cuda" and args.clock == "cpu":
+        parser.error("--clock cpu times the CPU only; use the wall clock with --device cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("masked-rl bench: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
@@ -741,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"masked-rl bench: {batch}x{steps}: {error}", file=sys.stderr)
                 return 1
             del outputs
-            times: dict[str, list[float]] = {key: [] for key in keys}
+            times: dict[str, list[float]] = {key: [] for key in keys}  # by --clock
+            other_times: dict[str, list[float]] = {key: [] for key in keys}  # by the other clock
             calls = dict.fromkeys(keys, 1)
             for round_index in range(rounds):
                 # A fresh order every round: no implementation always runs right after another
@@ -749,13 +758,16 @@ def main(argv: list[str] | None = None) -> int:
                 order = shuffler.sample(keys, len(keys))
                 for key in order:
                     _synchronize(device)
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     for _ in range(calls[key]):
                         fns[key]()
                     _synchronize(device)
                     per_call = (time.perf_counter() - start) / calls[key]
+                    cpu_per_call = (time.process_time() - start_cpu) / calls[key]
                     if round_index >= args.warmup:
-                        times[key].append(per_call)
+                        wall_cpu = (per_call, cpu_per_call)
+                        times[key].append(wall_cpu[args.clock == "cpu"])
+                        other_times[key].append(wall_cpu[args.clock == "wall"])
                     elif round_index == args.warmup - 1:
                         # Fast calls repeat back to back within a round, so that a sample
                         # spans --min-time-ms rather than one scheduler hiccup.
@@ -784,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
                     "calls_per_sample": calls[key],
                     "min_ms": min(times[key]) * 1e3,
                     "times_ms": [t * 1e3 for t in times[key]],
+                    "clock": args.clock,
+                    f"{'wall' if args.clock == 'cpu' else 'cpu'}_median_ms":
+                        statistics.median(other_times[key]) * 1e3,
                 })
 
     memory_note = {
@@ -793,7 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     load_after = _load_average()
     header = [
         f"masked-rl bench: device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
-        f"gamma={args.gamma} lmbda={args.lmbda} median of {args.repeats} interleaved rounds "
+        f"gamma={args.gamma} lmbda={args.lmbda} clock={args.clock} "
+        f"median of {args.repeats} interleaved rounds "
         f"(fast calls repeated to ~{args.min_time_ms:g} ms a sample); "
         f"1-min load average {load_before} before, {load_after} after "
         f"on {os.cpu_count()} CPUs (other processes skew CPU timings)",
@@ -812,7 +828,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.get_num_threads()} torch threads: other processes hold the cores, and "
             "every multi-threaded torch op waits for a descheduled thread; vectorized "
             "implementations suffer most. Rerun on an idle machine"
-            + (" or with --threads 1." if torch.get_num_threads() > 1 else ".")
+            + (" or with --threads 1" if torch.get_num_threads() > 1 else "")
+            + (" or with --clock cpu." if args.clock == "wall" else ".")
         )
     print(_format_table(results, header))
     targets = evaluate_targets(results)
@@ -823,7 +840,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{'met' if t['passed'] else 'MISSED'}] {t['target']}: {values}")
 
     args.out.mkdir(parents=True, exist_ok=True)
-    fields = ["batch", "steps", "implementation", "label", "median_ms", "ratio", "ratio_to",
+    fields = ["batch", "steps", "implementation", "label", "median_ms", "clock",
+              "cpu_median_ms" if args.clock == "wall" else "wall_median_ms", "ratio", "ratio_to",
               "floor_ratio",
               "peak_bytes", "min_ms", "repeats", "calls_per_sample"]
     with open(args.out / "bench.csv", "w", newline="") as f:

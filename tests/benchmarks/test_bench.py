@@ -236,7 +236,7 @@ def test_bench_command_writes_table_csv_and_json(tmp_path):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "median ms" in proc.stdout and "3x300" in proc.stdout
+    assert "wall ms" in proc.stdout and "3x300" in proc.stdout
     assert "TorchRL vec GAE" in proc.stdout and "peak MiB" in proc.stdout
     assert "USDT" not in proc.stderr  # the profiler's log lines are silenced
     with open(out / "bench.csv") as f:
@@ -251,3 +251,18 @@ def test_bench_command_writes_table_csv_and_json(tmp_path):
     assert report["config"]["shapes"] == [[3, 300], [2, 64]]
     assert all(r["median_ms"] > 0 and r["peak_bytes"] >= 0 for r in report["results"])
     assert set(report["agreement_max_abs_error"]) == {"3x300", "2x64"}
+
+
+def test_bench_command_cpu_clock(tmp_path):
+    out = tmp_path / "results"
+    command = [sys.executable, "-m", "masked_rl_examples.cli", "bench", "--shapes", "2x200",
+               "--repeats", "2", "--min-time-ms", "1", "--no-memory", "--clock", "cpu",
+               "--implementations", "ours", "floor", "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu ms" in proc.stdout and "clock=cpu" in proc.stdout
+    report = json.loads((out / "bench.json").read_text())
+    assert {r["clock"] for r in report["results"]} == {"cpu"}
+    assert all(r["median_ms"] > 0 and r["wall_median_ms"] > 0 for r in report["results"])
+    proc = subprocess.run(command + ["--device", "cuda"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--clock cpu" in proc.stderr
