@@ -424,8 +424,8 @@ def check_agreement(
     With ``c = gamma * lmbda`` an advantage sums deltas with weights adding up to
     ``S = 1 / (1 - c)`` (``T`` if ``c == 1``), so sums in different orders differ by about
     ``eps * S`` relative: ``per_sample``, ``per_step`` and ``reference`` must be within
-    ``16 * eps * S`` of ``ours``. ``ours_module`` also: ``MaskedGAE`` stores ``gamma`` and ``lmbda`` as
-    float32 buffers, which moves ``c`` by up to ``2**-24`` relative and ``A`` by up to
+    ``16 * eps * S`` of ``ours``. ``ours_module`` also: ``MaskedGAE`` stores ``gamma`` and
+    ``lmbda`` as float32 buffers, which moves ``c`` by up to ``2**-24`` relative and ``A`` by up to
     ``2**-24 * S**2`` relative. ``torchrl_all_ones`` against ``ours_all_ones``: TorchRL drops
     the filter terms below ``1e-7``, so it misses up to ``c**K * S * max|delta|`` (``K`` the
     filter length), plus rounding. Masked steps must hold exactly ``0``. ``floor`` computes

@@ -224,7 +224,10 @@ def _reverse_linear_scan(
         for k, ck in levels:
             carry = torch.where(gate[:-k], x[k:], 0.0)
             # add(alpha=) rounds as the kernels below do; a tensor c keeps its gradient.
-            step = x[:-k] + ck * carry if isinstance(ck, Tensor) else torch.add(x[:-k], carry, alpha=ck)
+            if isinstance(ck, Tensor):
+                step = x[:-k] + ck * carry
+            else:
+                step = torch.add(x[:-k], carry, alpha=ck)
             x = torch.cat((step, x[-k:]))
             gate = torch.cat((gate[:-k] & gate[k:], gate.new_zeros(k)))
         return x
@@ -258,16 +261,17 @@ def _doubling_scan(
         x_bits = [row.view(bits) for row in x_rows]
         carry = torch.empty_like(delta)
         carry_bits = carry.view(bits)
+    combine_gates = torch.mul if fused else torch.bitwise_and  # 0/1 floats multiply exactly
     for level, (k, ck) in enumerate(levels):
         src, dst = level % 2, 1 - level % 2
+        x_next, g_next = x_rows[src][k : k + n], g_rows[src][k : k + n]
         if fused:
-            torch.addcmul(x_head[src], g_head[src], x_rows[src][k : k + n], value=ck, out=x_head[dst])
+            torch.addcmul(x_head[src], g_head[src], x_next, value=ck, out=x_head[dst])
         else:
             torch.bitwise_and(x_bits[src][k : k + n], g_head[src], out=carry_bits)
             torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
         if level < len(levels) - 1:
-            # The 0/1 floats multiply exactly; the masks combine by a bitwise and.
-            (torch.mul if fused else torch.bitwise_and)(g_head[src], g_rows[src][k : k + n], out=g_head[dst])
+            combine_gates(g_head[src], g_next, out=g_head[dst])
     return x_head[len(levels) % 2]
 
 
@@ -310,7 +314,8 @@ def _where(condition: Tensor, input: Tensor, other: Tensor | float) -> Tensor:
     mask = condition.to(bits).neg_()
     if isinstance(other, Tensor):
         other_bits = other.view(bits)
-        out = torch.bitwise_xor(input.view(bits), other_bits).bitwise_and_(mask).bitwise_xor_(other_bits)
+        out = torch.bitwise_xor(input.view(bits), other_bits)
+        out.bitwise_and_(mask).bitwise_xor_(other_bits)
     else:
         out = torch.bitwise_and(input.view(bits), mask)
     return out.view(input.dtype)
@@ -547,8 +552,8 @@ def masked_generalized_advantage_estimate(
     if not masked_value_targets:
         return unstream(advantage_c), unstream(target_c)
     target, has_target = _masked_step_targets(
-        target_c, train.logical_not(), last, pos, nxt, _run_index(marker), marker, m, rew, term, next_value,
-        gamma_t if gamma_f > 0 else None, horizon,
+        target_c, train.logical_not(), last, pos, nxt, _run_index(marker), marker, m, rew, term,
+        next_value, gamma_t if gamma_f > 0 else None, horizon,
     )
     has_target = has_target.view(moved_shape).movedim(-1, time_dim)
     return unstream(advantage_c), unstream(target), has_target

@@ -35,7 +35,7 @@ def bits(x):
 
 
 def episode_ids(done):
-    """``[B, T, 1]`` done -> ``[B, T]`` episode number, unique across rows (row ends end episodes)."""
+    """``[B, T, 1]`` done -> ``[B, T]`` episode numbers, unique across rows (a row end ends one)."""
     rows, horizon = done.shape[:2]
     ends = done.squeeze(-1).clone()
     ends[:, -1] = True
@@ -63,7 +63,9 @@ def test_overflow_in_one_row_leaves_the_other_row_exact(requires_grad):
 
 @pytest.mark.parametrize("requires_grad", [False, True])
 @pytest.mark.parametrize("overflowing_episode", [0, 1])
-def test_overflow_in_one_episode_leaves_its_neighbours_bit_identical(requires_grad, overflowing_episode):
+def test_overflow_in_one_episode_leaves_its_neighbours_bit_identical(
+    requires_grad, overflowing_episode
+):
     # Three episodes in a row with masked gaps; one overflows inside the scan from finite data.
     value, next_value, reward, done, terminated, mask = make_rollout(2, 30, p_done=0.0, seed=5,
                                                                       dtype=torch.float32)
@@ -160,7 +162,8 @@ def test_gradient_wrt_gamma_and_lmbda_matches_finite_differences(wrt, masked_val
         out = mgae(gamma, lmbda, *data, masked_value_targets=masked_value_targets)
         return (out[0] * weights).sum() + (out[1] * weights).sum()
 
-    tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in point.items()}
+    tensors = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True)
+               for k, v in point.items()}
     objective(**tensors).backward()
     eps = 1e-6
     with torch.no_grad():
@@ -181,11 +184,12 @@ def test_tensor_gamma_with_gradient_gives_the_float_values():
         torch.testing.assert_close(g.detach(), w, rtol=0, atol=1e-12)
 
 
-# --- the hot path's helpers ------------------------------------------------------------------------
+# --- the hot path's helpers ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("size", [200, _BITWISE_MIN])  # torch.where below the threshold, bitwise above
+# torch.where below the threshold, the bitwise kernels above it
+@pytest.mark.parametrize("size", [200, _BITWISE_MIN])
 def test_bitwise_where_is_torch_where_bit_for_bit(dtype, size):
     gen = torch.Generator().manual_seed(0)
     specials = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, 1.0], dtype=dtype)

@@ -145,7 +145,9 @@ def one_episode_batch(seed, rows=5, steps=50):
 @pytest.mark.parametrize("chunk", [128, 4, 1])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("gamma, lmbda", [(0.99, 0.95), (1.0, 1.0), (0.9, 0.0), (0.0, 0.5)])
-def test_reference_algorithm_matches_serial_reference_on_one_episode_rows(chunk, seed, gamma, lmbda):
+def test_reference_algorithm_matches_serial_reference_on_one_episode_rows(
+    chunk, seed, gamma, lmbda
+):
     batch = one_episode_batch(seed)
     want_adv, want_target = reference_masked_gae(gamma, lmbda, *batch)
     adv, target = reference_algorithm_gae(gamma, lmbda, *as_inputs(*batch), chunk=chunk)
@@ -264,5 +266,6 @@ def test_bench_command_cpu_clock(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     assert {r["clock"] for r in report["results"]} == {"cpu"}
     assert all(r["median_ms"] > 0 and r["wall_median_ms"] > 0 for r in report["results"])
-    proc = subprocess.run(command + ["--device", "cuda"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(command + ["--device", "cuda"], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2 and "--clock cpu" in proc.stderr
