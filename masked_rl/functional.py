@@ -357,7 +357,7 @@ def _run_sums(values: Tensor, marker: Tensor, pos: Tensor, nxt: Tensor, single: 
             bounds = bounds[:-1]
         with np.errstate(all="ignore"):  # overflow to inf is the caller's data, as in torch
             tails = np.add.reduceat(values.numpy(), bounds)[::2]
-        sums.numpy()[longer] += tails  # indices are unique
+            sums.numpy()[longer] += tails  # indices are unique
     return sums
 
 
