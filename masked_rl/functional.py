@@ -289,6 +289,10 @@ _BITS = {
 _BITWISE_MIN = 1 << 14
 
 
+def _bitwise_pays(input: Tensor) -> bool:
+    return input.device.type == "cpu" and input.numel() >= _BITWISE_MIN
+
+
 def _needs_autograd(*tensors: object) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in tensors
@@ -302,13 +306,13 @@ def _where(condition: Tensor, input: Tensor, other: Tensor | float) -> Tensor:
     the floats' bits: ``other ^ ((input ^ other) & mask)``, or ``input & mask``. ``torch.where`` and
     ``masked_fill_`` take about 1 ns per element on the CPU when the condition is irregular
     (a branch per element), 10-20 times an arithmetic kernel; the bitwise form runs at memory
-    speed on every device, and like ``where`` it never lets a NaN or inf of the unselected
-    side through (a product with a 0/1 mask would: ``0 * inf`` is NaN). Below
-    ``_BITWISE_MIN`` elements ``torch.where`` itself is faster and is used.
+    speed, and like ``where`` it never lets a NaN or inf of the unselected side through (a
+    product with a 0/1 mask would: ``0 * inf`` is NaN). Below ``_BITWISE_MIN`` elements, and
+    on other devices (no branches there, and fewer kernel launches), ``torch.where`` is used.
     """
     if not isinstance(other, Tensor) and not (other == 0.0 and math.copysign(1.0, other) > 0):
         raise ValueError(f"other must be a tensor or 0.0, got {other}")
-    if input.numel() < _BITWISE_MIN or _needs_autograd(input, other):
+    if not _bitwise_pays(input) or _needs_autograd(input, other):
         return torch.where(condition, input, other)
     bits = _BITS[input.dtype]
     mask = condition.to(bits).neg_()
@@ -323,7 +327,7 @@ def _where(condition: Tensor, input: Tensor, other: Tensor | float) -> Tensor:
 
 def _zero_where(condition: Tensor, input: Tensor) -> Tensor:
     """``torch.where(condition, 0.0, input)``, bit for bit (see :func:`_where`)."""
-    if input.numel() < _BITWISE_MIN or _needs_autograd(input):
+    if not _bitwise_pays(input) or _needs_autograd(input):
         return input.masked_fill(condition, 0.0)
     bits = _BITS[input.dtype]
     keep = condition.to(bits).sub_(1)  # 0 where condition, all bits set elsewhere
