@@ -269,3 +269,17 @@ def test_bench_command_cpu_clock(tmp_path):
     proc = subprocess.run(command + ["--device", "cuda"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--clock cpu" in proc.stderr
+
+
+def test_memory_pass_skips_python_time_loops_on_long_rows(tmp_path, monkeypatch):
+    from masked_rl_benchmarks import bench
+
+    monkeypatch.setattr(bench, "CPU_MEMORY_MAX_LOOP_STEPS", 100)
+    out = tmp_path / "results"
+    argv = ["--shapes", "2x150", "2x80", "--repeats", "1", "--warmup", "0", "--min-time-ms", "1",
+            "--implementations", "ours", "per_step", "--out", str(out)]
+    assert bench.main(argv) == 0
+    peaks = {(r["steps"], r["implementation"]): r["peak_bytes"]
+             for r in json.loads((out / "bench.json").read_text())["results"]}
+    assert peaks[150, "per_step"] is None and peaks[80, "per_step"] > 0
+    assert peaks[150, "ours"] > 0
