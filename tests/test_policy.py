@@ -259,12 +259,3 @@ def test_placeholders_never_reach_the_loss():
     assert len(grads) > 0 and torch.equal(total, total_changed)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_changed))
     assert (select_trainable_steps(changed)["loss_mask"] == 1).all()
-
-
-def test_docstring_example_runs():
-    import doctest
-
-    import masked_rl.policy
-
-    failed, attempted = doctest.testmod(masked_rl.policy)
-    assert failed == 0 and attempted > 0

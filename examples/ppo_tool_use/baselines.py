@@ -158,7 +158,10 @@ class TerminalOnlyGAE(MaskedGAE):
     It is :class:`~masked_rl.MaskedGAE` run on ``r' = r`` where ``loss_mask`` or ``done`` else
     ``0`` (masked GAE credits the kept terminal reward to the last trainable step before it)
     and ``terminated' = done``; every ``MaskedGAE`` argument keeps its meaning. Advantages and
-    value targets are 0 at masked steps; train the critic on trainable steps.
+    value targets are 0 at masked steps; train the critic on trainable steps (the reference
+    system's critic). With ``masked_value_targets=True`` the masked steps get ``MaskedGAE``'s
+    extension targets for ``r'`` and ``terminated'`` (and ``value_target_mask``), consistent
+    with these rules, for a critic that must also bootstrap cut rows.
 
     Examples:
         >>> import torch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from masked_gae_reference import make_rollout
+from masked_gae_reference import make_rollout, serial_masked_value_targets_batch
 from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules import ProbabilisticActor, ValueOperator
@@ -122,6 +122,22 @@ def test_terminal_only_matches_its_serial_rule(seed, gamma, lmbda):
     torch.testing.assert_close(td["value_target"], target, rtol=1e-10, atol=1e-10)
     assert (td["advantage"][~mask] == 0).all() and (td["value_target"][~mask] == 0).all()
     assert (td.select(*before.keys(True, True)) == before).all()
+
+
+def test_terminal_only_with_masked_value_targets():
+    value, next_value, reward, done, terminated, mask, next_mask = data = rollout(5)
+    td = as_tensordict(*data)
+    TerminalOnlyGAE(gamma=f64(0.9), lmbda=f64(0.8), value_network=None, masked_value_targets=True)(td)
+    # The extension's targets for terminal-only's rewards (masked ones dropped but at episode
+    # ends) and terminations (every episode end).
+    kept = torch.where(mask.unsqueeze(-1) | done, reward, 0.0)
+    target, has_target = serial_masked_value_targets_batch(0.9, 0.8, value, next_value, kept, done, done, mask)
+    torch.testing.assert_close(td["value_target"], target, rtol=1e-10, atol=1e-10)
+    assert torch.equal(td["value_target_mask"], has_target)
+    assert (has_target & ~mask.unsqueeze(-1)).any()
+    advantage, _ = serial_batch(serial_terminal_only_gae, value, next_value, reward, done, terminated,
+                                mask, gamma=0.9, lmbda=0.8)
+    torch.testing.assert_close(td["advantage"], advantage, rtol=1e-10, atol=1e-10)
 
 
 def test_with_an_all_ones_mask_both_are_torchrl_gae():
