@@ -349,8 +349,8 @@ def _run_sums(values: Tensor, marker: Tensor, pos: Tensor, nxt: Tensor, single: 
     if values.device.type != "cpu" or _needs_autograd(values):
         run = _run_index(marker)
         return values.new_zeros(pos.numel() + 1).index_add_(0, run, values)[1:]
-    sums = values.index_select(0, pos)
     longer = np.flatnonzero(~single.numpy())
+    tails = None
     if longer.size:
         # [start, end) of each longer run's tail, alternating; the last end may be the
         # stream's end, where reduceat's last segment stops anyway.
@@ -361,6 +361,11 @@ def _run_sums(values: Tensor, marker: Tensor, pos: Tensor, nxt: Tensor, single: 
             bounds = bounds[:-1]
         with np.errstate(all="ignore"):  # overflow to inf is the caller's data, as in torch
             tails = np.add.reduceat(values.numpy(), bounds)[::2]
+    # After reduceat's streaming read the gather finds ``values`` in cache (on a cold array
+    # the gather alone is latency-bound: about 4x slower than a streaming read).
+    sums = values.index_select(0, pos)
+    if tails is not None:
+        with np.errstate(all="ignore"):
             sums.numpy()[longer] += tails  # indices are unique
     return sums
 
