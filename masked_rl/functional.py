@@ -376,13 +376,28 @@ def _run_index(marker: Tensor) -> Tensor:
     return torch.cumsum(marker, 0, dtype=dtype)
 
 
-def _flat_nonzero(flags: Tensor) -> Tensor:
-    """Indices (int64) of the true entries of a 1-D bool tensor; one host synchronisation."""
-    if flags.device.type == "cpu":
+def _runs(marker: Tensor, *, numpy: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The runs a 1-D bool ``marker`` starts (``marker[0]`` must be true); one host
+    synchronisation (the ``nonzero``).
+
+    Returns ``(pos, nxt, single)``: the run starts (int64), each run's last step
+    (``pos[j + 1] - 1``, the stream's last step for the last run), and ``nxt == pos``.
+    ``numpy`` (default: on the CPU) picks the NumPy kernels, else torch's (any device).
+    """
+    if marker.device.type == "cpu" if numpy is None else numpy:
         # NumPy's single-threaded nonzero is 5-7x faster than torch's on CPU (torch 2.x), and
-        # on a machine with busy cores it does not wait for a second thread either.
-        return torch.from_numpy(np.flatnonzero(flags.numpy()))
-    return flags.nonzero().squeeze(-1)
+        # on a machine with busy cores it does not wait for a second thread either; its
+        # elementwise kernels on these small int arrays cost half of torch's.
+        pos = np.flatnonzero(marker.numpy())
+        nxt = np.empty_like(pos)
+        np.subtract(pos[1:], 1, out=nxt[:-1])
+        nxt[-1] = marker.numel() - 1
+        return torch.from_numpy(pos), torch.from_numpy(nxt), torch.from_numpy(nxt == pos)
+    pos = marker.nonzero().squeeze(-1)
+    nxt = torch.empty_like(pos)
+    torch.sub(pos[1:], 1, out=nxt[:-1])
+    nxt[-1] = marker.numel() - 1
+    return pos, nxt, nxt == pos
 
 
 def masked_generalized_advantage_estimate(
@@ -519,13 +534,10 @@ def masked_generalized_advantage_estimate(
     marker = torch.empty_like(end)
     torch.logical_or(m[1:], end[:-1], out=marker[1:])
     marker[0] = True
-    pos = _flat_nonzero(marker)  # on CUDA the hot path's only host synchronisation
     # In the compressed stream the marker after j is the next action of j's episode, or the
-    # next episode's start; either way step nxt[j] (the one before it) ends j's run.
-    nxt = torch.empty_like(pos)
-    torch.sub(pos[1:], 1, out=nxt[:-1])
-    nxt[-1] = length - 1
-    single = nxt == pos  # a run of one step: the next marker is adjacent
+    # next episode's start; either way step nxt[j] (the one before it) ends j's run. A run
+    # is single when the next marker is adjacent. On CUDA the hot path's only host sync.
+    pos, nxt, single = _runs(marker)
     folded = _run_sums(rew, marker, pos, nxt, single)
 
     train = m.index_select(0, pos)

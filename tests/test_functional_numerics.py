@@ -20,9 +20,9 @@ from masked_rl.functional import (
     _BITWISE_MIN,
     _any,
     _doubling_scan,
-    _flat_nonzero,
     _reverse_linear_scan,
     _run_sums,
+    _runs,
     _scan_levels,
     _where,
     _zero_where,
@@ -219,10 +219,13 @@ def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
     marker[-1] = bool(seed % 2)  # a last run of one step, or longer
     values = torch.randn(length, generator=gen, dtype=torch.float64)
     values[7] = math.nan
-    pos = _flat_nonzero(marker)
-    nxt = torch.cat((pos[1:] - 1, torch.tensor([length - 1])))
+    pos, nxt, single = _runs(marker)
+    assert list(zip(pos.tolist(), nxt.tolist())) == runs_of(marker)
+    assert single.tolist() == [a == b for a, b in runs_of(marker)]
+    for mine, torchs in zip((pos, nxt, single), _runs(marker, numpy=False)):  # other devices
+        assert torch.equal(mine, torchs)
     want = [sum(values[a : b + 1].tolist()) for a, b in runs_of(marker)]
-    got = _run_sums(values.clone().requires_grad_(requires_grad), marker, pos, nxt, nxt == pos)
+    got = _run_sums(values.clone().requires_grad_(requires_grad), marker, pos, nxt, single)
     torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12, equal_nan=True)
     assert got.isnan().sum() == 1
