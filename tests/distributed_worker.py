@@ -10,6 +10,7 @@ single-process function on the full rows.
 from __future__ import annotations
 
 import math
+import time
 import traceback
 from collections import defaultdict
 from datetime import timedelta
@@ -65,9 +66,9 @@ def _assert_equal(got, expected, *, atol=ATOL, name=""):
     assert err <= atol, f"{name}: max abs error {err:.3e} > {atol:.0e}"
 
 
-def compare(data, *, gamma, lmbda, n, rank, group, layout, lengths=None, masked_value_targets=False,
-            time_dim=-2, atol=ATOL):
-    """CP on the rank's slice against the single-process function on the full rows."""
+def run_cp(data, *, gamma, lmbda, n, rank, group, layout, lengths=None, masked_value_targets=False,
+           time_dim=-2):
+    """CP outputs on the rank's slice, and the rank's slice of the single-process outputs."""
     value, next_value, reward, done, terminated, mask = data
     mask_dim = time_dim if time_dim >= 0 else time_dim + 1  # the mask has no feature dim
     full = masked_generalized_advantage_estimate(
@@ -81,9 +82,20 @@ def compare(data, *, gamma, lmbda, n, rank, group, layout, lengths=None, masked_
         gamma, lmbda, *local, time_dim=time_dim, masked_value_targets=masked_value_targets,
         group=group, layout=layout, chunk_lengths=lengths,
     )
-    assert len(got) == len(full)
-    for name, g, f in zip(("advantage", "value_target", "value_target_mask"), got, full):
-        _assert_equal(g, shard(f), atol=atol, name=name)
+    return got, tuple(shard(f) for f in full)
+
+
+def check_outputs(got, expected, *, atol=ATOL):
+    assert len(got) == len(expected)
+    for name, g, f in zip(("advantage", "value_target", "value_target_mask"), got, expected):
+        _assert_equal(g, f, atol=atol, name=name)
+
+
+def compare(data, *, atol=ATOL, **kwargs):
+    """:func:`run_cp`, then every output checked. Raising only after the collective keeps the
+    ranks in step when a check fails on some of them."""
+    got, expected = run_cp(data, **kwargs)
+    check_outputs(got, expected, atol=atol)
     return got
 
 
@@ -231,12 +243,11 @@ def check_non_finite_isolation(rec, key, n, rank, group, layout):
                 bad_reward = reward if mvt else torch.where(at & first_action_before, poison, reward)
 
                 def case():
-                    clean = compare((value, next_value, reward, done, terminated, mask), gamma=0.9,
-                                    lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
-                                    masked_value_targets=mvt)
-                    dirty = compare((*bad, bad_reward, done, terminated, mask), gamma=0.9, lmbda=0.8,
-                                    n=n, rank=rank, group=group, layout=layout,
-                                    masked_value_targets=mvt)
+                    common = dict(gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
+                                  masked_value_targets=mvt)
+                    clean, _ = run_cp((value, next_value, reward, done, terminated, mask), **common)
+                    dirty, expected = run_cp((*bad, bad_reward, done, terminated, mask), **common)
+                    check_outputs(dirty, expected)
                     for c, d in zip(clean, dirty):
                         assert torch.equal(c, d), "outputs changed by NaN/inf at masked steps"
                     assert all(torch.isfinite(d).all() for d in dirty[:2])
@@ -287,8 +298,8 @@ def check_communication(rec, key, n, rank, group, layout):
                 for mvt in (False, True):
                     data = make_rollout(4, horizon, p_mask=0.3, p_done=0.01, seed=horizon)
                     calls.clear()
-                    compare(data, gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
-                            masked_value_targets=mvt)
+                    run_cp(data, gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
+                           masked_value_targets=mvt)
                     measured[(horizon, mvt)] = list(calls)
         finally:
             module._all_gather_single = saved
@@ -344,9 +355,10 @@ def check_all_gather_round_trip(rec, key, n, rank, group, layout):
         full = torch.randn(2, horizon, 3, generator=torch.Generator().manual_seed(horizon))
         def case():
             local = cp_shard(full, rank, n, layout=layout)
-            assert torch.equal(cp_all_gather(local, group, layout=layout), full)
             lengths = cp_chunk_lengths(horizon, n, layout)
-            assert torch.equal(cp_all_gather(local, group, layout=layout, chunk_lengths=lengths), full)
+            inferred = cp_all_gather(local, group, layout=layout)
+            stated = cp_all_gather(local, group, layout=layout, chunk_lengths=lengths)
+            assert torch.equal(inferred, full) and torch.equal(stated, full)
         rec.case(key, f"T={horizon}", case)
 
 
@@ -392,12 +404,14 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
     groups = {n: (None if n == world else dist.new_group(ranks)) for n, ranks in GROUP_RANKS.items()}
     rec = Recorder()
     for name, check in CHECKS.items():
+        started = time.perf_counter()
         for n, group in groups.items():
             if rank not in GROUP_RANKS[n]:
                 continue
             for layout in LAYOUTS:
                 group_rank = GROUP_RANKS[n].index(rank)
                 check(rec, f"{name}/{n}/{layout}", n, group_rank, group, layout)
+        rec.info[f"seconds/{name}"] = time.perf_counter() - started
     torch.save({"cases": dict(rec.cases), "failures": dict(rec.failures), "info": rec.info},
                Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

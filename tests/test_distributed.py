@@ -32,8 +32,13 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def world_results():
+    # fork (where available) starts the 4 processes without re-importing torch and torchrl in
+    # each: about 3x faster than spawn on a 2-core machine. The parent never initialises a
+    # process group, and each child uses one intra-op thread (as DataLoader workers do).
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(run_world, args=(WORLD, str(Path(tmp) / "init"), tmp), nprocs=WORLD, join=True)
+        mp.start_processes(run_world, args=(WORLD, str(Path(tmp) / "init"), tmp), nprocs=WORLD,
+                           join=True, start_method=method)
         return [torch.load(Path(tmp) / f"rank{rank}.pt") for rank in range(WORLD)]
 
 
