@@ -248,8 +248,14 @@ def cp_all_gather(
     :func:`cp_chunk_lengths`, as :func:`cp_shard` cuts them by default.
 
     Examples:
-        >>> # Under torchrun, with `local` from cp_shard(rows, rank, world_size):
-        >>> # rows = cp_all_gather(local)   # doctest: +SKIP
+        >>> import torch, torch.distributed as dist
+        >>> from masked_rl.distributed import cp_all_gather, cp_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> rows = torch.randn(2, 5, 1)                      # under torchrun: every rank's rows
+        >>> local = cp_shard(rows, dist.get_rank(), dist.get_world_size(), layout="zigzag")
+        >>> torch.equal(cp_all_gather(local, layout="zigzag"), rows)
+        True
+        >>> dist.destroy_process_group()
     """
     rank, cp = _group_rank(group)
     _check_layout(layout, cp)
@@ -336,9 +342,26 @@ def cp_masked_generalized_advantage_estimate(
     NCCL (CUDA tensors, each rank on its device).
 
     Examples:
-        >>> # torchrun --nproc-per-node 2 examples/context_parallel.py runs this for real.
-        >>> # adv, target = cp_masked_generalized_advantage_estimate(  # doctest: +SKIP
-        >>> #     0.99, 0.95, value, next_value, reward, done, terminated, mask, layout="zigzag")
+        One process here; ``torchrun --nproc-per-node 2 examples/context_parallel.py`` runs two.
+
+        >>> import torch, torch.distributed as dist
+        >>> from masked_rl import masked_generalized_advantage_estimate
+        >>> from masked_rl.distributed import cp_masked_generalized_advantage_estimate, cp_shard
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> rank, cp = dist.get_rank(), dist.get_world_size()
+        >>> mask = torch.tensor([[1, 1, 0, 0, 1, 0]])             # [B, T], the full rows
+        >>> reward = torch.zeros(1, 6, 1); reward[0, 4] = 1.0      # [B, T, 1]
+        >>> value = torch.zeros(1, 6, 1)
+        >>> done = torch.zeros(1, 6, 1, dtype=torch.bool); done[0, -1] = True
+        >>> full = (value, value, reward, done, done, mask)
+        >>> local = [cp_shard(x, rank, cp, layout="zigzag", time_dim=1) for x in full]
+        >>> adv, target = cp_masked_generalized_advantage_estimate(
+        ...     0.9, 0.8, *local, layout="zigzag")                # this rank's slice
+        >>> adv.squeeze(-1)
+        tensor([[0.5184, 0.7200, 0.0000, 0.0000, 1.0000, 0.0000]])
+        >>> torch.equal(adv, masked_generalized_advantage_estimate(0.9, 0.8, *full)[0])
+        True
+        >>> dist.destroy_process_group()
     """
     _check_same_shape(
         "state_value",
@@ -631,7 +654,14 @@ def masked_moments(values: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Te
     :func:`~masked_rl.masked_standardize` with a ``group``.
 
     Examples:
-        >>> # mean, std = masked_moments(advantage, loss_mask.bool(), dp_group)  # doctest: +SKIP
+        >>> import torch, torch.distributed as dist
+        >>> from masked_rl.distributed import masked_moments
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> values = torch.tensor([1.0, 9.0, 3.0])
+        >>> mean, std = masked_moments(values, torch.tensor([True, False, True]), dist.group.WORLD)
+        >>> round(mean.item(), 4), round(std.item(), 4)
+        (2.0, 1.4142)
+        >>> dist.destroy_process_group()
     """
     _group_rank(group)
     values = values.detach().to(torch.float64)

@@ -1,6 +1,6 @@
 """Masked Generalized Advantage Estimation as pure tensor functions.
 
-The semantics are fixed by the project's contract (``SPEC.md``): GAE runs on the
+The semantics (``docs/semantics.md``, with worked cases) in short: GAE runs on the
 compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episode.
 
 * A reward emitted on a masked step is credited, undiscounted, to the last
@@ -453,8 +453,8 @@ def masked_standardize(
 
     Returns:
         ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps
-        (NaN or inf stored there included). The std is the unbiased std over trainable steps, so
-        an all-ones mask gives ``(adv - adv.mean()) / adv.std()``.
+        (NaN or inf stored there included). The std is the unbiased std over trainable steps,
+        clamped at ``eps``, so an all-ones mask gives ``(adv - adv.mean()) / adv.std()``.
 
     Raises:
         ValueError: ``loss_mask`` of another shape or holding values other than 0 and 1.

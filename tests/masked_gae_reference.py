@@ -1,4 +1,4 @@
-"""The plain serial reference for SPEC.md, and random rollout data for the estimator tests.
+"""The plain serial reference for docs/semantics.md, and random rollout data for the tests.
 
 Importable from any test module (``pythonpath = ["tests"]`` in pyproject.toml).
 """
@@ -9,7 +9,9 @@ import torch
 
 
 def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask):
-    """SPEC.md, read literally, for one row of plain Python floats (time only, no features).
+    """The rules of docs/semantics.md, read literally, for one row of plain Python floats.
+
+    Time only, no feature dim.
 
     Deliberately naive: one episode at a time, one trainable step at a time.
     Returns ``(advantage, value_target)`` as lists.
@@ -42,7 +44,7 @@ def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated,
 
 
 def serial_masked_value_targets(gamma, lmbda, value, next_value, reward, done, terminated, mask):
-    """SPEC.md's extension "value targets at masked steps", read literally, for one row.
+    """The extension "value targets at masked steps" (docs/semantics.md), read literally, for one row.
 
     Returns ``(value_target, has_target)`` as lists: ``G`` at trainable steps (from
     :func:`serial_masked_gae`), the extension's target at the masked steps of an episode with a

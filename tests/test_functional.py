@@ -1,4 +1,4 @@
-"""masked_rl.functional against SPEC.md, the serial reference and TorchRL's GAE."""
+"""masked_rl.functional against docs/semantics.md, the serial reference and TorchRL's GAE."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def run(gamma, lmbda, data, **kwargs):
     return mgae(gamma, lmbda, **data, **kwargs)
 
 
-# --- SPEC worked cases -------------------------------------------------------------------
+# --- the worked cases of docs/semantics.md --------------------------------------------------
 
 
 @pytest.mark.parametrize("gap", [0, 1, 4, 50, 1000])
@@ -99,7 +99,7 @@ def test_spec_case5_fully_masked_row_is_zero_and_leaves_other_rows_bit_identical
         assert torch.equal(target[row : row + 1], target_alone)
 
 
-# --- the other SPEC rules ------------------------------------------------------------------
+# --- the other rules of docs/semantics.md ---------------------------------------------------
 
 
 def test_prompt_rewards_before_first_trainable_step_are_dropped():
