@@ -43,6 +43,7 @@ from masked_rl.functional import (
     _check_discount,
     _check_episode_flags,
     _check_same_shape,
+    _flat_nonzero,
     check_loss_mask,
     masked_generalized_advantage_estimate,
 )
@@ -461,13 +462,15 @@ def cp_masked_generalized_advantage_estimate(
         if chunk == last_chunk:  # the row's last step ends its episode
             chunk_done = chunk_done.clone()
             chunk_done[:, -1] = True
-        views.append(dict(
-            m=m[:, span], d=chunk_done, k=k[:, span], value=value[:, span],
-            next_value=next_value[:, span], reward=rew[:, span], advantage=advantage[:, span],
-            open=chunk != last_chunk,
+        views.append(_Chunk(
+            m[:, span], chunk_done, k[:, span], value[:, span], next_value[:, span],
+            rew[:, span], open_end=chunk != last_chunk,
         ))
     payload = torch.cat([
-        torch.stack([_summarise(view, gamma_lmbda, dtype) for view in views]).reshape(-1),
+        torch.stack([
+            view.summary(advantage[:, offset:offset + view.length], gamma_lmbda)
+            for view, offset in zip(views, offsets)
+        ]).reshape(-1),
         torch.tensor([lengths[chunk] for chunk in held], dtype=dtype, device=value.device),
     ])
     gathered = payload.new_empty(cp * payload.numel())
@@ -493,10 +496,9 @@ def cp_masked_generalized_advantage_estimate(
         if lengths[chunk] == 0:
             continue
         span = slice(start, start + lengths[chunk])
-        _correct_chunk(
-            view, right[chunk], has_left[chunk], gamma_f, gamma_lmbda,
-            advantage[:, span], target[:, span], None if has_target is None else has_target[:, span],
-            summaries[chunk],
+        view.correct(
+            right[chunk], has_left[chunk], gamma_f, gamma_lmbda, advantage[:, span],
+            target[:, span], None if has_target is None else has_target[:, span],
         )
 
     def unrows(x: Tensor) -> Tensor:
@@ -508,41 +510,130 @@ def cp_masked_generalized_advantage_estimate(
     return result
 
 
-def _summarise(view: dict, gamma_lmbda: float, dtype: torch.dtype) -> Tensor:
-    """The ``[N, 10]`` summary of one chunk (fields ``_KIND`` ... ``_LAST_TRAIN``)."""
-    m, d, k = view["m"], view["d"], view["k"]
-    rows, length = m.shape
-    out = view["value"].new_zeros((rows, _FIELDS), dtype=dtype)
-    if length == 0:
-        return out  # transparent: kind _NONE, nothing owed
-    event = m | d
-    has_event = event.any(-1)
-    first = event.to(torch.uint8).argmax(-1, keepdim=True)  # the first event (0 if none)
-    at = lambda x: x.gather(-1, first).squeeze(-1)
-    trainable = at(m) & has_event
-    ended = has_event & ~trainable
-    # Rewards before the first event, the end step's own reward included (its run ends there).
-    stop = torch.where(trainable, first.squeeze(-1), first.squeeze(-1) + 1)
-    stop = torch.where(has_event, stop, length)
-    steps = torch.arange(length, device=m.device)
-    head = torch.where(steps < stop.unsqueeze(-1), view["reward"], 0.0).sum(-1)
-    end_value = torch.where(at(k), 0.0, at(view["next_value"]))
-    open_chunk = ~d.any(-1) if view["open"] else torch.zeros_like(has_event)
-    trainable_in_chunk = m.sum(-1)
-    in_last_segment = _reverse_cumsum(d.to(torch.int32)) == 0
-    out[:, _KIND] = torch.where(trainable, _TRAIN, torch.where(ended, _END, _NONE))
-    out[:, _HEAD] = head
-    out[:, _VALUE] = torch.where(trainable, at(view["value"]), torch.where(ended, end_value, 0.0))
-    out[:, _AT_START] = trainable & (first.squeeze(-1) == 0)
-    out[:, _A] = torch.where(trainable, at(view["advantage"]), 0.0)
-    b = torch.pow(gamma_lmbda, (trainable_in_chunk - 1).clamp_min(0).to(dtype))
-    out[:, _B] = torch.where(trainable & open_chunk, b, 0.0)
-    tail_train = m[:, -1] & ~d[:, -1]
-    out[:, _TAIL_TRAIN] = tail_train
-    out[:, _TAIL_NEXT] = torch.where(tail_train, view["next_value"][:, -1], 0.0)
-    out[:, _HAS_DONE] = d.any(-1)
-    out[:, _LAST_TRAIN] = (m & in_last_segment).any(-1)
-    return out
+class _Chunk:
+    """One local chunk, ``[N, L]`` views, with the sorted flat indices (``row * L + t``) of its
+    actions and episode ends: per-row firsts, lasts and counts come from ``searchsorted`` on
+    them instead of passes over every step."""
+
+    def __init__(self, m, d, k, value, next_value, reward, *, open_end: bool):
+        self.m, self.d, self.k = m, d, k
+        self.value, self.next_value, self.reward = value, next_value, reward
+        self.open_end = open_end  # False for the row's last chunk, which ends every row
+        self.rows, self.length = rows, length = m.shape
+        self.row_start = torch.arange(rows, device=m.device) * length
+
+        def firsts_and_lasts(flags: Tensor):
+            flat = _flat_nonzero(flags.reshape(-1))
+            lo = torch.searchsorted(flat, self.row_start)
+            hi = torch.searchsorted(flat, self.row_start + length)
+            # Sentinels on both sides, so that empty rows index safely (and are masked below).
+            padded = torch.cat((flat.new_full((1,), -1), flat, flat.new_full((1,), rows * length)))
+            count = hi - lo
+            first = torch.where(count > 0, padded[lo + 1] - self.row_start, length)
+            last = torch.where(count > 0, padded[hi] - self.row_start, -1)
+            return flat, lo, hi, first, last
+
+        self.actions, _, self.actions_end, self.first_action, self.last_action = firsts_and_lasts(m)
+        self.action_count = self.actions_end - _
+        _, _, _, self.first_end, self.last_end = firsts_and_lasts(d)
+
+    def summary(self, advantage: Tensor, gamma_lmbda: float) -> Tensor:
+        """The ``[N, 10]`` summary of the chunk (fields ``_KIND`` ... ``_LAST_TRAIN``), from its
+        zero-boundary advantage."""
+        out = self.value.new_zeros((self.rows, _FIELDS))
+        length = self.length
+        if length == 0:
+            return out  # transparent: kind _NONE, nothing owed
+        # The first event: an action (also when it ends its episode), or an episode end.
+        trainable = self.first_action <= self.first_end
+        trainable &= self.first_action < length
+        ended = ~trainable & (self.first_end < length)
+        event = torch.where(trainable, self.first_action, self.first_end).clamp_max(length - 1)
+        at = lambda x: x.gather(-1, event.unsqueeze(-1)).squeeze(-1)
+        # Rewards before the first event, the end step's own reward included (its run ends there).
+        stop = torch.where(trainable, self.first_action, torch.where(ended, self.first_end + 1, length))
+        steps = torch.arange(length, device=stop.device)
+        head = torch.where(steps < stop.unsqueeze(-1), self.reward, 0.0).sum(-1)
+        end_value = torch.where(at(self.k), 0.0, at(self.next_value))
+        has_done = self.last_end >= 0
+        b = torch.pow(gamma_lmbda, (self.action_count - 1).clamp_min(0).to(out.dtype))
+        tail_train = (self.last_action == length - 1) & (self.last_end < length - 1)
+        out[:, _KIND] = torch.where(trainable, _TRAIN, torch.where(ended, _END, _NONE))
+        out[:, _HEAD] = head
+        out[:, _VALUE] = torch.where(trainable, at(self.value), torch.where(ended, end_value, 0.0))
+        out[:, _AT_START] = trainable & (self.first_action == 0)
+        out[:, _A] = torch.where(trainable, at(advantage), 0.0)
+        out[:, _B] = torch.where(trainable & ~has_done & self.open_end, b, 0.0)
+        out[:, _TAIL_TRAIN] = tail_train
+        out[:, _TAIL_NEXT] = torch.where(tail_train, self.next_value[:, -1], 0.0)
+        out[:, _HAS_DONE] = has_done
+        out[:, _LAST_TRAIN] = self.last_action > self.last_end
+        return out
+
+    def correct(self, right: Tensor, has_left: Tensor, gamma: float, gamma_lmbda: float,
+                advantage: Tensor, target: Tensor, has_target: Tensor | None) -> None:
+        """Step 4 in place: the carry from the right, and masked targets across ranks."""
+        owed, kind, value, _, next_adv, z = right.unbind(-1)
+        if self.open_end:
+            # The actions of each row's last segment (after its last end; none if the chunk's
+            # last step is an end), the m-th from the end receiving c**m * Z.
+            row = torch.div(self.actions, self.length, rounding_mode="floor")
+            col = self.actions - self.row_start[row]
+            later = self.actions_end[row] - 1 - torch.arange(self.actions.numel(), device=row.device)
+            coef = torch.where(col > self.last_end[row], torch.pow(gamma_lmbda, later.to(z.dtype)), 0.0)
+            # Exactly nothing past an underflow (0 * inf is NaN).
+            correction = torch.where(coef != 0, coef * z[row], 0.0)
+            advantage.index_put_((row, col), correction, accumulate=True)
+            if has_target is None:
+                target.index_put_((row, col), correction, accumulate=True)
+            else:
+                self._correct_masked_targets(owed, kind, value, next_adv, z, has_left, gamma,
+                                             gamma_lmbda, target, has_target)
+        if has_target is not None:
+            self._head_targets(has_left, gamma, target, has_target)
+
+    def _correct_masked_targets(self, owed, kind, value, next_adv, z, has_left, gamma, gamma_lmbda,
+                                target, has_target) -> None:
+        """Targets of the last segment, masked steps included (``masked_value_targets``)."""
+        flat = torch.arange(self.rows * self.length, device=z.device).view(self.rows, self.length)
+        # Actions at or after each step, in its row: the next one's coefficient is the step's.
+        remaining = self.actions_end.unsqueeze(-1) - torch.searchsorted(self.actions, flat)
+        steps = torch.arange(self.length, device=z.device)
+        in_last_segment = steps > self.last_end.unsqueeze(-1)
+        coef = torch.where(
+            in_last_segment & (remaining > 0),
+            torch.pow(gamma_lmbda, (remaining - 1).clamp_min(0).to(z.dtype)), 0.0,
+        )
+        target.add_(torch.where(has_target & (coef != 0), coef * z.unsqueeze(-1), 0.0))
+        # Masked steps after the segment's last action here: the rest of the run up to the next
+        # event to the right, then G there (or that end's bootstrap).
+        tail = in_last_segment & (remaining == 0)
+        follow = torch.where(kind == _TRAIN, value + next_adv, value).unsqueeze(-1)
+        if gamma > 0:
+            to_end = _reverse_cumsum(torch.where(tail, self.reward, 0.0))
+            tail_target = follow + (to_end + owed.unsqueeze(-1)) / gamma
+        else:
+            tail_target = follow.expand_as(target)
+        exists = (self.last_action > self.last_end) | (kind == _TRAIN) | (has_left & (self.last_end < 0))
+        exists = exists.unsqueeze(-1) & tail
+        target.copy_(torch.where(tail, torch.where(exists, tail_target, 0.0), target))
+        has_target.copy_(torch.where(tail, exists, has_target))
+
+    def _head_targets(self, has_left, gamma, target, has_target) -> None:
+        """An episode that started left of the chunk and ends in it before any action here: its
+        steps up to that end have a target if the episode had an action on the left."""
+        head = (self.first_end < self.first_action) & has_left
+        steps = torch.arange(self.length, device=target.device)
+        region = head.unsqueeze(-1) & (steps <= self.first_end.unsqueeze(-1))
+        first_end = self.first_end.clamp_max(self.length - 1).unsqueeze(-1)
+        terminated = self.k.gather(-1, first_end)
+        bootstrap = torch.where(terminated, 0.0, self.next_value.gather(-1, first_end))
+        if gamma > 0:
+            head_target = bootstrap + _reverse_cumsum(torch.where(region, self.reward, 0.0)) / gamma
+        else:
+            head_target = bootstrap.expand_as(target)
+        target.copy_(torch.where(region, head_target, target))
+        has_target.copy_(has_target | region)
 
 
 def _fold(summaries: Tensor, lengths: list[int], gamma: float, gamma_lmbda: float):
@@ -584,64 +675,6 @@ def _fold(summaries: Tensor, lengths: list[int], gamma: float, gamma_lmbda: floa
         s = summaries[chunk]
         so_far = (s[:, _LAST_TRAIN] != 0) | (so_far & (s[:, _HAS_DONE] == 0))
     return right, has_left
-
-
-def _correct_chunk(
-    view: dict,
-    right: Tensor,
-    has_left: Tensor,
-    gamma: float,
-    gamma_lmbda: float,
-    advantage: Tensor,
-    target: Tensor,
-    has_target: Tensor | None,
-    summary: Tensor,
-) -> None:
-    """Step 4 on one chunk, in place: the carry from the right, and masked targets across ranks."""
-    m, d, rew = view["m"], view["d"], view["reward"]
-    owed, kind, value, _, next_adv, z = right.unbind(-1)
-    if view["open"]:
-        in_last_segment = _reverse_cumsum(d.to(torch.int32)) == 0
-        after = _reverse_cumsum(m.to(torch.int32))  # trainable steps in [u, end of chunk]
-        # c**(m-th trainable from the end): 1 for the last; exactly 0 past an underflow.
-        coef = torch.where(
-            in_last_segment & (after > 0),
-            torch.pow(gamma_lmbda, (after - 1).clamp_min(0).to(advantage.dtype)), 0.0,
-        )
-        correction = torch.where(coef != 0, coef * z.unsqueeze(-1), 0.0)
-        advantage.add_(torch.where(m, correction, 0.0))
-        if has_target is None:
-            target.add_(torch.where(m, correction, 0.0))
-        else:
-            target.add_(torch.where(has_target & (after > 0), correction, 0.0))
-            # Masked steps after the chunk's last action of the segment: the rest of the run up
-            # to the next event to the right, then G there (or that end's bootstrap).
-            tail = in_last_segment & (after == 0)
-            follow = torch.where(kind == _TRAIN, value + next_adv, value)
-            if gamma > 0:
-                to_end = _reverse_cumsum(torch.where(tail, rew, 0.0))
-                tail_target = follow.unsqueeze(-1) + (to_end + owed.unsqueeze(-1)) / gamma
-            else:
-                tail_target = follow.unsqueeze(-1).expand_as(target)
-            exists = (
-                (m & in_last_segment).any(-1) | (kind == _TRAIN)
-                | (has_left & ~d.any(-1))
-            ).unsqueeze(-1) & tail
-            target.copy_(torch.where(tail, torch.where(exists, tail_target, 0.0), target))
-            has_target.copy_(torch.where(tail, exists, has_target))
-    if has_target is not None:
-        # An episode that started left of the chunk and ends in it before any action here: the
-        # steps up to that end have a target if the episode had an action on the left.
-        head = (summary[:, _KIND] == _END) & has_left
-        steps = torch.arange(m.shape[-1], device=m.device)
-        region = head.unsqueeze(-1) & (steps <= d.to(torch.uint8).argmax(-1, keepdim=True))
-        bootstrap = summary[:, _VALUE].unsqueeze(-1)
-        if gamma > 0:
-            head_target = bootstrap + _reverse_cumsum(torch.where(region, rew, 0.0)) / gamma
-        else:
-            head_target = bootstrap.expand_as(target)
-        target.copy_(torch.where(region, head_target, target))
-        has_target.copy_(has_target | region)
 
 
 def masked_moments(values: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Tensor]:
