@@ -20,7 +20,8 @@ thread each), shards the agentic workload of ``masked-rl bench`` (:func:`make_wo
 
 Before timing, every rank checks that the three agree. A round runs each implementation once
 (between barriers, in an order shuffled identically on every rank); a call's time is the
-slowest rank's, and the table shows the median over rounds. Bytes are what each rank hands to
+slowest rank's, and the table shows the median over rounds, of the wall time and of the
+process CPU time (all threads; less sensitive to other load on the machine). Bytes are what each rank hands to
 collectives per call (counted by wrapping ``torch.distributed``): gloo's ring ``all_reduce``
 then moves about ``2 * (N - 1) / N`` times that per rank, ``all_gather`` ``N - 1`` times.
 """
@@ -165,18 +166,20 @@ def _worker(rank: int, cp: int, init_file: str, out_file: str, args: argparse.Na
             for round_index in range(args.warmup + args.repeats):
                 for key in shuffler.sample(list(fns), len(fns)):
                     dist.barrier()
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     fns[key]()
-                    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start],
+                                           dtype=torch.float64)
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's times
                     if round_index >= args.warmup:
-                        samples[key].append(float(elapsed))
+                        samples[key].append(elapsed.tolist())
             for key in fns:
                 rows.append(dict(
                     cp=cp, layout=args.layout, batch=batch, steps=horizon, implementation=key,
                     collectives=traffic[key][0], bytes_per_rank=traffic[key][1],
-                    median_ms=1e3 * statistics.median(samples[key]),
-                    min_ms=1e3 * min(samples[key]),
+                    median_ms=1e3 * statistics.median(wall for wall, _ in samples[key]),
+                    min_ms=1e3 * min(wall for wall, _ in samples[key]),
+                    median_cpu_ms=1e3 * statistics.median(cpu for _, cpu in samples[key]),
                 ))
     if rank == 0:
         Path(out_file).write_text(json.dumps(rows))
@@ -218,15 +221,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = ["| cp | shape | implementation | collectives | bytes per rank | median ms | vs masked_rl_cp (time, bytes) |",
-             "|---:|---|---|---:|---:|---:|---|"]
+    lines = ["| cp | shape | implementation | collectives | bytes per rank | median ms | CPU ms | vs masked_rl_cp (time, bytes) |",
+             "|---:|---|---|---:|---:|---:|---:|---|"]
     base = {(r["cp"], r["batch"], r["steps"]): r for r in rows if r["implementation"] == "masked_rl_cp"}
     for r in rows:
         ours = base[(r["cp"], r["batch"], r["steps"])]
         ratio = ("1" if r is ours else
                  f"{r['median_ms'] / ours['median_ms']:.1f}x, {r['bytes_per_rank'] / ours['bytes_per_rank']:,.0f}x")
         lines.append(f"| {r['cp']} | {r['batch']}x{r['steps']} | {r['implementation']} | "
-                     f"{r['collectives']} | {r['bytes_per_rank']:,} | {r['median_ms']:.2f} | {ratio} |")
+                     f"{r['collectives']} | {r['bytes_per_rank']:,} | {r['median_ms']:.2f} | "
+                     f"{r['median_cpu_ms']:.2f} | {ratio} |")
     return "\n".join(lines)
 
 
