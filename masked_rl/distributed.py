@@ -450,7 +450,8 @@ def cp_masked_generalized_advantage_estimate(
         local_done.unsqueeze(-1), local_term.unsqueeze(-1), m,
         masked_value_targets=masked_value_targets,
     )
-    advantage, target = local[0].squeeze(-1), local[1].squeeze(-1)
+    # Contiguous [N, T_local] (already so: no copy), for flat index_add_ in step 4.
+    advantage, target = local[0].squeeze(-1).contiguous(), local[1].squeeze(-1).contiguous()
     has_target = local[2].squeeze(-1) if masked_value_targets else None
     gamma_lmbda = gamma_f * lmbda_f
 
@@ -493,13 +494,9 @@ def cp_masked_generalized_advantage_estimate(
 
     # 4. Boundary corrections of the local chunks.
     for chunk, view, start in zip(held, views, offsets):
-        if lengths[chunk] == 0:
-            continue
-        span = slice(start, start + lengths[chunk])
-        view.correct(
-            right[chunk], has_left[chunk], gamma_f, gamma_lmbda, advantage[:, span],
-            target[:, span], None if has_target is None else has_target[:, span],
-        )
+        if lengths[chunk] > 0:
+            view.correct(right[chunk], has_left[chunk], gamma_f, gamma_lmbda, advantage, target,
+                         has_target, start)
 
     def unrows(x: Tensor) -> Tensor:
         return x.reshape(moved_shape).movedim(-1, time_dim)
@@ -571,9 +568,11 @@ class _Chunk:
         return out
 
     def correct(self, right: Tensor, has_left: Tensor, gamma: float, gamma_lmbda: float,
-                advantage: Tensor, target: Tensor, has_target: Tensor | None) -> None:
-        """Step 4 in place: the carry from the right, and masked targets across ranks."""
+                advantage: Tensor, target: Tensor, has_target: Tensor | None, offset: int) -> None:
+        """Step 4 in place on the rank's ``[N, T_local]`` outputs (this chunk starts at column
+        ``offset``): the carry from the right, and masked targets across ranks."""
         owed, kind, value, _, next_adv, z = right.unbind(-1)
+        span = slice(offset, offset + self.length)
         if self.open_end:
             # The actions of each row's last segment (after its last end; none if the chunk's
             # last step is an end), the m-th from the end receiving c**m * Z.
@@ -583,14 +582,15 @@ class _Chunk:
             coef = torch.where(col > self.last_end[row], torch.pow(gamma_lmbda, later.to(z.dtype)), 0.0)
             # Exactly nothing past an underflow (0 * inf is NaN).
             correction = torch.where(coef != 0, coef * z[row], 0.0)
-            advantage.index_put_((row, col), correction, accumulate=True)
+            flat = row * advantage.shape[-1] + offset + col
+            advantage.view(-1).index_add_(0, flat, correction)
             if has_target is None:
-                target.index_put_((row, col), correction, accumulate=True)
+                target.view(-1).index_add_(0, flat, correction)
             else:
                 self._correct_masked_targets(owed, kind, value, next_adv, z, has_left, gamma,
-                                             gamma_lmbda, target, has_target)
+                                             gamma_lmbda, target[:, span], has_target[:, span])
         if has_target is not None:
-            self._head_targets(has_left, gamma, target, has_target)
+            self._head_targets(has_left, gamma, target[:, span], has_target[:, span])
 
     def _correct_masked_targets(self, owed, kind, value, next_adv, z, has_left, gamma, gamma_lmbda,
                                 target, has_target) -> None:
