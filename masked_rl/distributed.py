@@ -595,9 +595,12 @@ class _Chunk:
     def _correct_masked_targets(self, owed, kind, value, next_adv, z, has_left, gamma, gamma_lmbda,
                                 target, has_target) -> None:
         """Targets of the last segment, masked steps included (``masked_value_targets``)."""
-        flat = torch.arange(self.rows * self.length, device=z.device).view(self.rows, self.length)
-        # Actions at or after each step, in its row: the next one's coefficient is the step's.
-        remaining = self.actions_end.unsqueeze(-1) - torch.searchsorted(self.actions, flat)
+        # Actions at or after each step, in its row (the next one's coefficient is the step's):
+        # an integer count, so one cumsum over all rows is exact.
+        count = torch.int32 if self.rows * self.length < 2**31 else torch.int64
+        m = self.m.to(count)
+        before = torch.cumsum(m.reshape(-1), 0, dtype=count).view(self.rows, self.length)
+        remaining = (self.actions_end.to(count).unsqueeze(-1) - before).add_(m)
         steps = torch.arange(self.length, device=z.device)
         in_last_segment = steps > self.last_end.unsqueeze(-1)
         coef = torch.where(
