@@ -686,7 +686,9 @@ def masked_moments(values: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Te
     Each rank reduces its own entries to a count, a mean and a sum of squared deviations
     (two passes, float64); one ``all_gather`` of those 3 numbers per rank and Chan et al.'s
     pairwise merge give the statistics of the union, without the cancellation of a plain sum of
-    squares. A rank with no entry contributes nothing. Used by
+    squares. A rank with no entry contributes nothing. ``group`` may be a sequence of groups
+    forming a grid (e.g. ``(cp_group, dp_group)``): they are merged one after the other (one
+    ``all_gather`` each), giving the statistics over every rank of the grid. Used by
     :func:`~masked_rl.masked_standardize` with a ``group``.
 
     Examples:
@@ -699,16 +701,17 @@ def masked_moments(values: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Te
         (2.0, 1.4142)
         >>> dist.destroy_process_group()
     """
-    _group_rank(group)
+    groups = list(group) if isinstance(group, (list, tuple)) else [group]
     values = values.detach().to(torch.float64)
     count = mask.sum().to(torch.float64)
     mean = torch.where(mask, values, 0.0).sum() / count.clamp_min(1)
     squares = torch.where(mask, values - mean, 0.0).pow(2).sum()
-    ranks = dist.get_world_size(group)
-    gathered = values.new_empty(3 * ranks)
-    _all_gather_single(gathered, torch.stack((count, mean, squares)), group=group)
-    counts, means, squares = gathered.view(ranks, 3).unbind(-1)
-    total = counts.sum()
-    loc = (counts * means).sum() / total.clamp_min(1)
-    spread = squares.sum() + (counts * (means - loc).pow(2)).sum()
-    return loc, (spread / (total - 1).clamp_min(1)).sqrt()
+    for each in groups:
+        _, ranks = _group_rank(each)
+        gathered = values.new_empty(3 * ranks)
+        _all_gather_single(gathered, torch.stack((count, mean, squares)), group=each)
+        counts, means, spreads = gathered.view(ranks, 3).unbind(-1)
+        count = counts.sum()
+        mean = (counts * means).sum() / count.clamp_min(1)
+        squares = spreads.sum() + (counts * (means - mean).pow(2)).sum()
+    return mean, (squares / (count - 1).clamp_min(1)).sqrt()

@@ -444,12 +444,15 @@ def masked_standardize(
 
     Keyword Args:
         eps (float): lower bound of the std. Defaults to ``1e-4`` (as TorchRL's GAE).
-        group (ProcessGroup, optional): a data-parallel group (``torch.distributed.group.WORLD``
-            for all ranks): the statistics are those of the trainable steps of every rank of
-            the group, as if their batches were one. Each rank computes its count, mean and sum
-            of squared deviations in float64 and one ``all_gather`` (3 numbers per rank) merges
-            them (Chan et al.'s pairwise update: no cancellation, unlike a sum of squares).
-            ``None`` (default): this batch alone, no communication.
+        group (ProcessGroup or sequence of them, optional): a data-parallel group
+            (``torch.distributed.group.WORLD`` for all ranks): the statistics are those of the
+            trainable steps of every rank of the group, as if their batches were one. Each rank
+            computes its count, mean and sum of squared deviations in float64 and one
+            ``all_gather`` (3 numbers per rank) merges them (Chan et al.'s pairwise update: no
+            cancellation, unlike a sum of squares). Under context parallelism pass
+            ``(cp_group, dp_group)``: one ``all_gather`` per group, statistics over the grid
+            (:func:`masked_rl.distributed.masked_moments`). ``None`` (default): this batch
+            alone, no communication.
 
     Returns:
         ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps

@@ -356,6 +356,109 @@ def check_data_parallel_standardize(rec, key, n, rank, group, layout):
     rec.case(key, "dp", case)
 
 
+def rollout_td(batch, horizon, *, seed, obs_dim=3):
+    """A ``[B, T]`` TensorDict rollout with observations (for a critic) and precomputed values."""
+    from tensordict import TensorDict
+
+    value, next_value, reward, done, terminated, mask = make_rollout(batch, horizon, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    obs = torch.randn(batch, horizon + 1, obs_dim, generator=g, dtype=torch.float64)
+    return TensorDict({
+        "observation": obs[:, :-1], "loss_mask": mask.to(torch.int8), "state_value": value,
+        "action": torch.randint(4, (batch, horizon), generator=g),
+        "action_log_prob": torch.randn(batch, horizon, generator=g, dtype=torch.float64) - 1.4,
+        "next": {"observation": obs[:, 1:], "reward": reward, "done": done,
+                 "terminated": terminated, "state_value": next_value},
+    }, batch_size=[batch, horizon])
+
+
+def actor_critic(seed=0):
+    from tensordict.nn import TensorDictModule
+    from torchrl.modules import ProbabilisticActor, ValueOperator
+
+    torch.manual_seed(seed)
+    actor = ProbabilisticActor(
+        TensorDictModule(torch.nn.Linear(3, 4).double(), ["observation"], ["logits"]),
+        in_keys=["logits"], distribution_class=torch.distributions.Categorical, return_log_prob=True)
+    critic = ValueOperator(torch.nn.Linear(3, 1).double(), in_keys=["observation"])
+    return actor, critic
+
+
+def check_modules(rec, key, n, rank, group, layout):
+    """MaskedGAE(cp_group=...) and MaskedClipPPOLoss(cp_group=...) on a rank's slice."""
+    from torchrl.objectives import ClipPPOLoss
+
+    from masked_rl import MaskedClipPPOLoss, MaskedGAE, attach_masked_gae
+
+    group = dist.group.WORLD if group is None else group  # None means "no CP" for the modules
+    horizon = 5 * n + 2
+    lengths = cp_chunk_lengths(horizon, n, layout)
+    shard = lambda td: cp_shard(td, rank, n, layout=layout, time_dim=1, chunk_lengths=lengths)
+    full = rollout_td(3, horizon, seed=n)
+    keys = ("advantage", "value_target", "value_target_mask")
+    for average_gae in (False, True):
+        for mvt in (False, True):
+            for with_critic in (False, True):
+                critic = actor_critic()[1] if with_critic else None
+                options = dict(gamma=0.9, lmbda=0.8, value_network=critic, average_gae=average_gae,
+                               masked_value_targets=mvt)
+                expected = shard(MaskedGAE(**options)(full.clone()))
+                got = MaskedGAE(**options, cp_group=group, cp_layout=layout,
+                                cp_chunk_lengths=lengths)(shard(full.clone()))
+
+                def case():
+                    for name in keys[: 3 if mvt else 2]:
+                        _assert_equal(got[name], expected[name], name=name)
+                rec.case(key, f"MaskedGAE average_gae={average_gae} mvt={mvt} critic={with_critic}", case)
+
+    # The loss: the estimator under CP, then normalize_advantage over the CP group's trainable
+    # steps, against the same loss given advantages standardised over the full rows.
+    actor, critic = actor_critic()
+    reference = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=critic)(full.clone())
+    mask = reference["loss_mask"].bool()
+    trainable = reference["advantage"][mask]
+    reference["advantage"] = (reference["advantage"] - trainable.mean()) / trainable.std().clamp_min(
+        torch.finfo(torch.float).resolution)
+    expected = MaskedClipPPOLoss(actor, critic, normalize_advantage=False)(shard(reference))
+    loss = MaskedClipPPOLoss(actor, critic, normalize_advantage=True, cp_group=group, cp_layout=layout,
+                             cp_chunk_lengths=lengths)
+    loss.make_value_estimator("gae", gamma=0.9, lmbda=0.8)
+    got = loss(shard(full.clone()))
+    attached = ClipPPOLoss(actor, critic, normalize_advantage=True)
+    attach_masked_gae(attached, gamma=0.9, lmbda=0.8, cp_group=group, cp_layout=layout,
+                      cp_chunk_lengths=lengths)
+    got_attached = attached(shard(full.clone()))
+
+    def loss_case():
+        for out in (got, got_attached):
+            for name in ("loss_objective", "loss_critic", "loss_entropy"):
+                _assert_equal(out[name].detach(), expected[name].detach(), atol=1e-12, name=name)
+    rec.case(key, "MaskedClipPPOLoss and attach_masked_gae, normalize_advantage", loss_case)
+
+
+def check_grid(rec, rank, cp_groups, dp_groups):
+    """A 2 x 2 CP x DP grid: average_gae statistics over all four ranks' steps."""
+    from masked_rl import MaskedGAE
+
+    cp_rank, dp_rank = rank % 2, rank // 2  # cp groups {0, 1}, {2, 3}; dp groups {0, 2}, {1, 3}
+    cp_group, dp_group = cp_groups[dp_rank], dp_groups[cp_rank]
+    batches = [rollout_td(2, 13, seed=100 + d) for d in range(2)]
+    for layout in LAYOUTS:
+        for mvt in (False, True):
+            options = dict(gamma=0.9, lmbda=0.8, value_network=None, masked_value_targets=mvt)
+            got = MaskedGAE(**options, average_gae=True, cp_group=cp_group, dp_group=dp_group,
+                            cp_layout=layout, cp_chunk_lengths=cp_chunk_lengths(13, 2, layout))(
+                cp_shard(batches[dp_rank].clone(), cp_rank, 2, layout=layout, time_dim=1))
+            both = torch.cat([MaskedGAE(**options)(b.clone()) for b in batches])
+            both["advantage"] = masked_standardize(both["advantage"], both["loss_mask"])
+            expected = cp_shard(both[2 * dp_rank: 2 * dp_rank + 2], cp_rank, 2, layout=layout, time_dim=1)
+
+            def case():
+                _assert_equal(got["advantage"], expected["advantage"], atol=1e-12, name="advantage")
+                _assert_equal(got["value_target"], expected["value_target"], name="value_target")
+            rec.case(f"grid/4/{layout}", f"mvt={mvt}", case)
+
+
 CHECKS = {
     "random_rows": check_random_rows,
     "structured_rows": check_structured_rows,
@@ -366,6 +469,7 @@ CHECKS = {
     "errors": check_errors,
     "all_gather_round_trip": check_all_gather_round_trip,
     "data_parallel_standardize": check_data_parallel_standardize,
+    "modules": check_modules,
 }
 
 
@@ -375,6 +479,8 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     groups = {n: (None if n == world else dist.new_group(ranks)) for n, ranks in GROUP_RANKS.items()}
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     rec = Recorder()
     for name, check in CHECKS.items():
         started = time.perf_counter()
@@ -385,6 +491,7 @@ def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 group_rank = GROUP_RANKS[n].index(rank)
                 check(rec, f"{name}/{n}/{layout}", n, group_rank, group, layout)
         rec.info[f"seconds/{name}"] = time.perf_counter() - started
+    check_grid(rec, rank, cp_groups, dp_groups)
     torch.save({"cases": dict(rec.cases), "failures": dict(rec.failures), "info": rec.info},
                Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
