@@ -17,6 +17,8 @@ _COMMANDS = {
                 "masked vs plain GAE over several seeds: table, CSV and PNG"),
     "bench": ("masked_rl_benchmarks.bench", "main",
               "time masked GAE against the alternatives: table, CSV and JSON"),
+    "bench-cp": ("masked_rl_benchmarks.cp", "main",
+                 "context-parallel masked GAE vs rebuilding full rows, on N gloo ranks"),
 }
 
 

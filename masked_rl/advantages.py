@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from tensordict import TensorDictBase
@@ -18,6 +19,8 @@ from torchrl.objectives.value.advantages import (
     _standardize_by_group,
 )
 
+from masked_rl.distributed import LAYOUTS as CP_LAYOUTS
+from masked_rl.distributed import cp_masked_generalized_advantage_estimate
 from masked_rl.functional import (
     check_loss_mask,
     masked_generalized_advantage_estimate,
@@ -64,6 +67,20 @@ class MaskedGAE(GAE):
             :func:`~masked_rl.masked_generalized_advantage_estimate`). A critic trained on them
             gives meaningful bootstraps where a collector cuts a row, or an episode is truncated,
             inside a masked block. Advantages are unchanged. Defaults to ``False``.
+        cp_group (ProcessGroup, optional): context parallelism: the input is this rank's slice
+            ``[*B, T_local]`` of rows split over ``cp_group`` (``torch.distributed.group.WORLD``
+            for every rank), and the outputs are its slice of the full rows' (one small
+            ``all_gather`` per call; see
+            :func:`~masked_rl.distributed.cp_masked_generalized_advantage_estimate`; it refuses
+            values that require grad: with ``differentiable=True``, pass detached parameters, as
+            the PPO losses do). Defaults to ``None`` (whole rows on every rank).
+        cp_layout (str): ``"contiguous"`` or ``"zigzag"`` (Megatron's). Defaults to
+            ``"contiguous"``.
+        cp_chunk_lengths (list of int, optional): chunk lengths in row order, for rows not cut
+            evenly (see :func:`~masked_rl.distributed.cp_chunk_lengths`).
+        dp_group (ProcessGroup, optional): ``average_gae`` statistics over the trainable steps of
+            every rank of this data-parallel group too (with ``cp_group``: over the CP x DP
+            grid); also used by a masked PPO loss's ``normalize_advantage``. Defaults to ``None``.
 
     Tensor keys (``set_keys``): those of ``GAE`` plus ``loss_mask`` (default
     ``"loss_mask"``), read at the root of the input tensordict with shape ``[*B, T]`` or
@@ -118,11 +135,23 @@ class MaskedGAE(GAE):
 
     default_keys = _AcceptedKeys
 
-    def __init__(self, *, masked_value_targets: bool = False, **kwargs):
+    def __init__(self, *, masked_value_targets: bool = False, cp_group=None,
+                 cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(masked_value_targets, bool):
             raise TypeError(f"masked_value_targets must be a bool, got {masked_value_targets!r}")
         self.masked_value_targets = masked_value_targets
+        if cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
+        # Process groups are per-estimator arguments, never module-level state.
+        self.cp_group, self.cp_layout, self.cp_chunk_lengths = cp_group, cp_layout, cp_chunk_lengths
+        self.dp_group = dp_group
+
+    @property
+    def statistics_groups(self) -> list:
+        """The groups whose trainable steps ``average_gae`` (and a masked PPO loss's
+        ``normalize_advantage``) standardise over: ``cp_group`` and ``dp_group`` when given."""
+        return [group for group in (self.cp_group, self.dp_group) if group is not None]
 
     @property
     def loss_mask_key(self) -> NestedKey:
@@ -267,14 +296,20 @@ class MaskedGAE(GAE):
         mask = check_loss_mask(self._require(tensordict, keys.loss_mask), reward, key=keys.loss_mask)
         if valid is not None:
             mask = mask & self._expand_to_match(valid, mask)
-        advantage, value_target, *has_target = masked_generalized_advantage_estimate(
+        estimate = masked_generalized_advantage_estimate
+        if self.cp_group is not None:
+            estimate = partial(cp_masked_generalized_advantage_estimate, group=self.cp_group,
+                               layout=self.cp_layout, chunk_lengths=self.cp_chunk_lengths)
+        advantage, value_target, *has_target = estimate(
             self.gamma, self.lmbda, value, next_value, reward, done, terminated, mask,
             time_dim=time_dim, masked_value_targets=self.masked_value_targets,
         )
         if standardize and self.average_gae:
             groups = self._group_ids(tensordict)
             if groups is None:
-                advantage = masked_standardize(advantage, mask)
+                advantage = masked_standardize(advantage, mask, group=self.statistics_groups or None)
+            elif self.statistics_groups:
+                raise ValueError("average_gae with a group_key is not supported with cp_group or dp_group")
             else:
                 full_mask = mask.expand_as(advantage)
                 advantage = torch.where(

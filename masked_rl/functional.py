@@ -623,27 +623,68 @@ def _masked_step_targets(
 
 
 def masked_standardize(
-    advantage: Tensor, loss_mask: Tensor, *, eps: float = 1e-4
+    advantage: Tensor, loss_mask: Tensor, *, eps: float = 1e-4, group=None
 ) -> Tensor:
     """Standardise ``advantage`` with mean and std over trainable steps only.
 
     Args:
-        advantage (Tensor): ``[*B, T, F]``.
-        loss_mask (Tensor): bool, broadcastable to ``advantage`` (e.g. ``[*B, T, 1]``).
+        advantage (Tensor): ``[*B, T, F]`` (floating).
+        loss_mask (Tensor): ``[*B, T]``, ``[*B, T, 1]`` or ``advantage``'s shape; bool or
+            numbers holding only ``0`` and ``1`` (as the estimator accepts it).
+
+    Keyword Args:
+        eps (float): lower bound of the std. Defaults to ``1e-4`` (as TorchRL's GAE).
+        group (ProcessGroup or sequence of them, optional): a data-parallel group
+            (``torch.distributed.group.WORLD`` for all ranks): the statistics are those of the
+            trainable steps of every rank of the group, as if their batches were one. Each rank
+            computes its count, mean and sum of squared deviations in float64 and one
+            ``all_gather`` (3 numbers per rank) merges them (Chan et al.'s pairwise update: no
+            cancellation, unlike a sum of squares). Under context parallelism pass
+            ``(cp_group, dp_group)``: one ``all_gather`` per group, statistics over the grid
+            (:func:`masked_rl.distributed.masked_moments`). ``None`` (default): this batch
+            alone, no communication.
 
     Returns:
-        ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps.
-        The std is the unbiased std over trainable steps, clamped at ``eps`` (``1e-4``, as in
-        TorchRL), so an all-ones mask gives exactly ``(adv - adv.mean()) / adv.std()``.
+        ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps
+        (NaN or inf stored there included). The std is the unbiased std over trainable steps,
+        clamped at ``eps``, so an all-ones mask gives ``(adv - adv.mean()) / adv.std()``.
+
+    Raises:
+        ValueError: ``loss_mask`` of another shape or holding values other than 0 and 1.
 
     Examples:
         >>> import torch
-        >>> adv = torch.tensor([[1.0, 9.0, 3.0]]).unsqueeze(-1)          # [B, T, 1]
-        >>> mask = torch.tensor([[True, False, True]]).unsqueeze(-1)
-        >>> masked_standardize(adv, mask).squeeze(-1)
+        >>> from masked_rl import masked_standardize
+        >>> adv = torch.tensor([[[1.0], [9.0], [3.0]]])      # [B, T, 1]
+        >>> masked_standardize(adv, torch.tensor([[1, 0, 1]], dtype=torch.int8)).squeeze(-1)
         tensor([[-0.7071,  0.0000,  0.7071]])
     """
-    mask = loss_mask.expand_as(advantage)
+    if not isinstance(advantage, Tensor) or not advantage.dtype.is_floating_point:
+        found = advantage.dtype if isinstance(advantage, Tensor) else type(advantage).__name__
+        raise TypeError(f"advantage must be a floating torch.Tensor, got {found}")
+    shape = tuple(advantage.shape)
+    accepted = (shape[:-1], shape[:-1] + (1,), shape)
+    if not isinstance(loss_mask, Tensor) or tuple(loss_mask.shape) not in accepted:
+        found = list(loss_mask.shape) if isinstance(loss_mask, Tensor) else type(loss_mask).__name__
+        raise ValueError(
+            f"loss_mask must have shape {list(accepted[0])}, {list(accepted[1])} or "
+            f"{list(accepted[2])} to match advantage {list(shape)}, got {found}"
+        )
+    if loss_mask.shape == advantage.shape:  # one flag per entry
+        mask = check_loss_mask(loss_mask, advantage.unsqueeze(-1)).squeeze(-1)
+    else:
+        mask = check_loss_mask(loss_mask, advantage).expand_as(advantage)
+    if group is not None:
+        from masked_rl.distributed import masked_moments  # torch.distributed only when asked
+
+        if torch.is_grad_enabled() and advantage.requires_grad:
+            raise RuntimeError(
+                "masked_standardize with a group does not differentiate through the statistics "
+                "of other ranks: pass a detached advantage (or call it under torch.no_grad())"
+            )
+        loc, scale = masked_moments(advantage, mask, group)
+        centred = torch.where(mask, advantage - loc.to(advantage.dtype), 0.0)
+        return centred / scale.clamp_min(eps).to(advantage.dtype)
     weight = mask.to(advantage.dtype)
     count = weight.sum().clamp_min(1)
     masked_adv = torch.where(mask, advantage, 0.0)

@@ -44,7 +44,7 @@ from torchrl.objectives.utils import ValueEstimators, default_value_kwargs
 from torchrl.objectives.value import ValueEstimatorBase
 
 from masked_rl.advantages import MaskedGAE
-from masked_rl.functional import check_loss_mask
+from masked_rl.functional import check_loss_mask, masked_standardize
 
 __all__ = ["MaskedClipPPOLoss", "MaskedPPOLossMixin", "attach_masked_gae", "select_trainable_steps"]
 
@@ -93,6 +93,11 @@ class MaskedPPOLossMixin:
     """
 
     masked_value_targets: bool = False
+    # Defaults of the MaskedGAE this loss builds (MaskedClipPPOLoss takes them as arguments).
+    cp_group = None
+    cp_layout: str = "contiguous"
+    cp_chunk_lengths = None
+    dp_group = None
 
     @property
     def loss_mask_key(self) -> NestedKey:
@@ -124,6 +129,8 @@ class MaskedPPOLossMixin:
             return super().make_value_estimator(value_type, **hyperparams)
         hyperparams = {**default_value_kwargs(ValueEstimators.GAE), **hyperparams}
         hyperparams.setdefault("masked_value_targets", self.masked_value_targets)
+        for name in ("cp_group", "cp_layout", "cp_chunk_lengths", "dp_group"):
+            hyperparams.setdefault(name, getattr(self, name))
         estimator = MaskedGAE.for_loss(self, **hyperparams)
         super().make_value_estimator(estimator)
         self._forward_value_estimator_keys()  # the loss's key names, as TorchRL does for its own
@@ -142,6 +149,20 @@ class MaskedPPOLossMixin:
         super()._set_in_keys()
         if self.tensor_keys.loss_mask not in self._in_keys:
             self._in_keys.append(self.tensor_keys.loss_mask)
+
+    def _standardize_advantage(self, advantage: torch.Tensor, tensordict: TensorDictBase) -> torch.Tensor:
+        """``normalize_advantage``: TorchRL's, or with a :class:`~masked_rl.MaskedGAE` estimator
+        holding a ``cp_group`` or ``dp_group``, over the steps of every rank of those groups."""
+        estimator = getattr(self, "_value_estimator", None)
+        groups = estimator.statistics_groups if isinstance(estimator, MaskedGAE) else []
+        if not groups:
+            return super()._standardize_advantage(advantage, tensordict)
+        if self.normalize_advantage_exclude_dims:
+            raise ValueError("normalize_advantage_exclude_dims is not supported with cp_group or dp_group")
+        # Every step handed to the stock loss is trainable and valid; TorchRL's std clamp.
+        everywhere = torch.ones_like(advantage, dtype=torch.bool)
+        return masked_standardize(advantage, everywhere, eps=torch.finfo(torch.float).resolution,
+                                  group=groups)
 
     def _selected_steps(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase | None]:
         """Steps 1-4 of :mod:`masked_rl.loss`: ``(policy steps, critic steps or None)``."""
@@ -287,7 +308,9 @@ def attach_masked_gae(
         masked_value_targets (bool): train the critic on every step carrying a value target
             (masked steps included), see :mod:`masked_rl.loss`. Defaults to ``False``.
         **gae_kwargs: other :class:`~masked_rl.MaskedGAE` arguments (``average_gae``,
-            ``differentiable``, ``device``, ``value_network`` to override the critic...).
+            ``differentiable``, ``device``, ``value_network`` to override the critic,
+            ``cp_group``, ``cp_layout``, ``dp_group``: ``normalize_advantage`` then uses the
+            statistics of every rank of those groups...).
 
     Returns:
         The installed :class:`~masked_rl.MaskedGAE`.
@@ -346,6 +369,10 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
         masked_value_targets (bool): the default ``MaskedGAE`` also writes value targets at
             masked steps, and the critic term is a mean over every step carrying one
             (``value_target_mask``) instead of the trainable steps. Defaults to ``False``.
+        cp_group, cp_layout, cp_chunk_lengths, dp_group: passed to the default ``MaskedGAE``
+            (context parallelism: the input is this rank's slice of every row); with a group,
+            ``normalize_advantage`` standardises over the trainable steps of every rank of
+            ``cp_group`` and ``dp_group``. Default: none, whole rows on every rank.
         Every other argument is ``ClipPPOLoss``'s.
 
     Examples:
@@ -392,8 +419,12 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
 
-    def __init__(self, *args, masked_value_targets: bool = False, **kwargs):
-        self.masked_value_targets = bool(masked_value_targets)  # read by the default estimator
+    def __init__(self, *args, masked_value_targets: bool = False, cp_group=None,
+                 cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None, **kwargs):
+        # Read by the default estimator, built on first use.
+        self.masked_value_targets = bool(masked_value_targets)
+        self.cp_group, self.cp_layout, self.cp_chunk_lengths = cp_group, cp_layout, cp_chunk_lengths
+        self.dp_group = dp_group
         super().__init__(*args, **kwargs)
 
 

@@ -22,7 +22,7 @@ MODULE_FUNCTIONS = ["_self_set_grad_enabled", "_self_set_skip_existing", "_stand
 GAE_METHODS = ["_call_value_nets", "_prepare_shifted_tensordict", "_prepare_signals",
                "_broadcast_optional", "_expand_to_match", "_group_ids", "_get_time_dim", "_AcceptedKeys"]
 LOSS_CLASS_ATTRIBUTES = ["_AcceptedKeys", "_forward_value_estimator_keys", "_set_in_keys", "_reduce_loss",
-                         "_loss_mask_keys"]
+                         "_loss_mask_keys", "_standardize_advantage"]
 LOSS_INSTANCE_ATTRIBUTES = ["_in_keys", "_tensor_keys", "_value_estimator", "_has_critic",
                             "_cached_critic_network_params_detached"]
 
