@@ -10,6 +10,19 @@ interpreter:
 - ``MaskedRL/ToolUseHard-v0``: :data:`HARD_KWARGS`: 8 keys and values, 3 two-token
   ``CALL <key>`` lookups, 48-token noisy responses, window 256, budget 256 steps, 0.01 cost per
   tool call, all-or-nothing reward (oracle: 166 steps, 10 of them the agent's).
+- ``MaskedRL/ToolUseClosing64-v0``: :data:`CLOSING64_KWARGS`: v0 with a 64-token closing block,
+  so the terminal reward arrives 64 masked steps after the answer; window = budget = 140 steps
+  (oracle: 104 steps, 5 of them the agent's; the same 36 spare steps as v0, two wasted turns).
+- ``MaskedRL/ToolUseLong64-v0``: :data:`LONG64_KWARGS`: v0 with 64-token tool outputs and *no*
+  lookup bonus; window = budget = 272 steps (oracle: 140 steps, 5 of them the agent's; the
+  budget and the window hold the oracle plus two wasted 65-step turns).
+- ``MaskedRL/ToolUseLong256-v0``: :data:`LONG256_KWARGS`: v0 (lookup bonus included) with
+  256-token tool outputs; window = budget = 1040 steps (oracle: 524 steps, 5 of them the
+  agent's, plus room for two wasted 257-step turns).
+
+In these three ids the window is the whole step budget, so nothing of an episode scrolls out of
+view: the answer stays visible to the critic until the terminal reward, and the prompt to the
+policy after wasted turns.
 
 Also: :class:`OraclePolicy` (a scripted policy that solves every episode from its
 observations) and :func:`make_torchrl_env` (the ids as a TorchRL environment).
@@ -22,7 +35,10 @@ from masked_rl_envs.tool_use import ToolUseEnv, ToolUseGrammar
 from masked_rl_envs.torchrl_env import make_torchrl_env
 
 __all__ = [
+    "CLOSING64_KWARGS",
     "HARD_KWARGS",
+    "LONG256_KWARGS",
+    "LONG64_KWARGS",
     "OraclePolicy",
     "ToolUseEnv",
     "ToolUseGrammar",
@@ -46,7 +62,23 @@ HARD_KWARGS = dict(
 )
 """Constructor arguments of ``MaskedRL/ToolUseHard-v0`` (oracle: 166 steps, 10 agent tokens)."""
 
+CLOSING64_KWARGS = dict(closing_len=64, window=140, max_steps=140)
+"""Constructor arguments of ``MaskedRL/ToolUseClosing64-v0`` (oracle: 104 steps, 5 agent tokens)."""
+
+LONG64_KWARGS = dict(response_len=64, lookup_reward=0.0, window=272, max_steps=272)
+"""Constructor arguments of ``MaskedRL/ToolUseLong64-v0`` (oracle: 140 steps, 5 agent tokens)."""
+
+LONG256_KWARGS = dict(response_len=256, window=1040, max_steps=1040)
+"""Constructor arguments of ``MaskedRL/ToolUseLong256-v0`` (oracle: 524 steps, 5 agent tokens)."""
+
 _ENTRY_POINT = "masked_rl_envs.tool_use:ToolUseEnv"
-for _env_id, _kwargs in (("MaskedRL/ToolUse-v0", {}), ("MaskedRL/ToolUseHard-v0", HARD_KWARGS)):
+_IDS = (
+    ("MaskedRL/ToolUse-v0", {}),
+    ("MaskedRL/ToolUseHard-v0", HARD_KWARGS),
+    ("MaskedRL/ToolUseClosing64-v0", CLOSING64_KWARGS),
+    ("MaskedRL/ToolUseLong64-v0", LONG64_KWARGS),
+    ("MaskedRL/ToolUseLong256-v0", LONG256_KWARGS),
+)
+for _env_id, _kwargs in _IDS:
     if _env_id not in gymnasium.registry:  # importing twice (e.g. importlib reload) is harmless
         gymnasium.register(id=_env_id, entry_point=_ENTRY_POINT, kwargs=_kwargs)

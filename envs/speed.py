@@ -6,6 +6,8 @@
 Every row steps the environment with uniformly random actions (masked steps included: they
 are environment steps too) and reports total environment steps per second of wall time,
 startup excluded. TorchRL rows use ``make_torchrl_env`` and ``env.rollout`` without a policy.
+Collection with the recipe's policy, with and without ``masked_rl.policy.SkipMaskedSteps``, and
+where a collector's time goes: ``python -m masked_rl_benchmarks.collector --split``.
 """
 
 from __future__ import annotations

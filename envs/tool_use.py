@@ -225,6 +225,11 @@ class ToolUseEnv(gym.Env):
     import masked_rl_envs  # registers the ids
     env = gym.make("MaskedRL/ToolUse-v0")      # the defaults below
     env = gym.make("MaskedRL/ToolUseHard-v0")  # masked_rl_envs.HARD_KWARGS
+    # v0 with a 64-token closing block, 64- or 256-token tool outputs (masked_rl_envs.CLOSING64_KWARGS,
+    # LONG64_KWARGS: no lookup bonus, LONG256_KWARGS; window = max_steps in all three)
+    env = gym.make("MaskedRL/ToolUseClosing64-v0")
+    env = gym.make("MaskedRL/ToolUseLong64-v0")
+    env = gym.make("MaskedRL/ToolUseLong256-v0")
     ```
     - `n_keys=4`, `n_values=4`: table size and value alphabet.
     - `n_queries=2`: keys asked per episode, hence lookups needed (`1 <= n_queries <= n_keys`).

@@ -58,10 +58,20 @@ class MaskedGAE(GAE):
     chunking). ``vectorized`` is accepted and ignored: the estimator is always
     vectorized and exact (no filter truncation).
 
+    Keyword Args:
+        masked_value_targets (bool): also write value targets at masked steps and the bool
+            ``value_target_mask`` entry saying which steps carry one (see
+            :func:`~masked_rl.masked_generalized_advantage_estimate`). A critic trained on them
+            gives meaningful bootstraps where a collector cuts a row, or an episode is truncated,
+            inside a masked block. Advantages are unchanged. Defaults to ``False``.
+
     Tensor keys (``set_keys``): those of ``GAE`` plus ``loss_mask`` (default
     ``"loss_mask"``), read at the root of the input tensordict with shape ``[*B, T]`` or
     ``[*B, T, 1]``; bool, or integers / floats holding only ``0`` and ``1`` (TorchRL's
-    Gymnasium wrapper delivers int8).
+    Gymnasium wrapper delivers int8); and ``value_target_mask`` (default
+    ``"value_target_mask"``), written with ``masked_value_targets=True``, bool ``[*B, T, 1]``.
+
+    See ``docs/semantics.md`` for the rules with worked cases.
 
     Examples:
         >>> import torch
@@ -104,8 +114,15 @@ class MaskedGAE(GAE):
         steps_to_next_obs: NestedKey = "steps_to_next_obs"
         sample_log_prob: NestedKey | None = None
         loss_mask: NestedKey = "loss_mask"
+        value_target_mask: NestedKey = "value_target_mask"
 
     default_keys = _AcceptedKeys
+
+    def __init__(self, *, masked_value_targets: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        if not isinstance(masked_value_targets, bool):
+            raise TypeError(f"masked_value_targets must be a bool, got {masked_value_targets!r}")
+        self.masked_value_targets = masked_value_targets
 
     @property
     def loss_mask_key(self) -> NestedKey:
@@ -118,6 +135,13 @@ class MaskedGAE(GAE):
             in_keys = [*in_keys, self.tensor_keys.loss_mask]
         return in_keys
 
+    @property
+    def out_keys(self):
+        out_keys = super().out_keys
+        if self.masked_value_targets and self.tensor_keys.value_target_mask not in out_keys:
+            out_keys = [*out_keys, self.tensor_keys.value_target_mask]
+        return out_keys
+
     @_self_set_skip_existing
     @_self_set_grad_enabled
     @dispatch
@@ -129,7 +153,8 @@ class MaskedGAE(GAE):
         target_params: TensorDictBase | None = None,
         time_dim: int | None = None,
     ) -> TensorDictBase:
-        """Writes ``"advantage"`` and ``"value_target"`` (``[*B, T, 1]``, ``0`` at masked steps).
+        """Writes ``"advantage"`` and ``"value_target"`` (``[*B, T, 1]``, ``0`` at masked steps;
+        with ``masked_value_targets``, targets at masked steps too and ``"value_target_mask"``).
 
         Args:
             tensordict (TensorDictBase): a ``[*B, T]`` rollout with the ``loss_mask``,
@@ -141,9 +166,11 @@ class MaskedGAE(GAE):
             params, target_params: functional value-network parameters, as in ``GAE``.
             time_dim (int, optional): overrides the estimator's ``time_dim``.
         """
-        advantage, value_target = self._estimate(tensordict, params, target_params, time_dim)
+        advantage, value_target, has_target = self._estimate(tensordict, params, target_params, time_dim)
         tensordict.set(self.tensor_keys.advantage, advantage)
         tensordict.set(self.tensor_keys.value_target, value_target)
+        if has_target is not None:
+            tensordict.set(self.tensor_keys.value_target_mask, has_target)
         return tensordict
 
     def value_estimate(
@@ -154,7 +181,7 @@ class MaskedGAE(GAE):
         time_dim: int | None = None,
         **kwargs,
     ) -> Tensor:
-        """Returns the masked value target (``0`` at masked steps) without writing to ``tensordict``."""
+        """Returns the value target (``0`` where a step carries none) without writing to ``tensordict``."""
         return self._estimate(tensordict, params, target_params, time_dim, standardize=False)[1]
 
     # -- internals ------------------------------------------------------------
@@ -210,7 +237,8 @@ class MaskedGAE(GAE):
         time_dim: int | None,
         *,
         standardize: bool = True,
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(advantage, value_target, value_target_mask or None)``."""
         if tensordict.batch_dims < 1:
             raise RuntimeError(
                 "Expected the input tensordict to have at least one (time) dimension, got "
@@ -239,8 +267,9 @@ class MaskedGAE(GAE):
         mask = check_loss_mask(self._require(tensordict, keys.loss_mask), reward, key=keys.loss_mask)
         if valid is not None:
             mask = mask & self._expand_to_match(valid, mask)
-        advantage, value_target = masked_generalized_advantage_estimate(
-            self.gamma, self.lmbda, value, next_value, reward, done, terminated, mask, time_dim=time_dim
+        advantage, value_target, *has_target = masked_generalized_advantage_estimate(
+            self.gamma, self.lmbda, value, next_value, reward, done, terminated, mask,
+            time_dim=time_dim, masked_value_targets=self.masked_value_targets,
         )
         if standardize and self.average_gae:
             groups = self._group_ids(tensordict)
@@ -251,4 +280,4 @@ class MaskedGAE(GAE):
                 advantage = torch.where(
                     full_mask, _standardize_by_group(advantage, groups, full_mask), 0.0
                 )
-        return advantage, value_target
+        return advantage, value_target, has_target[0] if has_target else None

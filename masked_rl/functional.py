@@ -1,6 +1,6 @@
 """Masked Generalized Advantage Estimation as pure tensor functions.
 
-The semantics are fixed by the project's contract (``SPEC.md``): GAE runs on the
+The semantics (``docs/semantics.md``, with worked cases) in short: GAE runs on the
 compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episode.
 
 * A reward emitted on a masked step is credited, undiscounted, to the last
@@ -95,6 +95,62 @@ def _check_same_shape(reference_name: str, reference: Tensor, **tensors: Tensor)
             )
 
 
+def _check_discount(name: str, value: float | Tensor) -> float:
+    """``value`` as a Python float in ``[0, 1]``, or a ``ValueError`` naming ``name``.
+
+    A tensor must hold one number (the masked recursion uses one ``gamma`` and one ``lmbda`` for
+    the whole batch); reading it is a host synchronisation for a CUDA tensor.
+    """
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be a float or a one-element tensor (one {name} for the whole batch), "
+                f"got a tensor of shape {list(value.shape)}"
+            )
+        number = float(value.detach().reshape(()))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    else:
+        raise TypeError(f"{name} must be a float or a one-element tensor, got {type(value).__name__}")
+    if not 0.0 <= number <= 1.0:  # also rejects NaN
+        raise ValueError(f"{name} must be in [0, 1], got {number}")
+    return number
+
+
+def _check_episode_flags(done: Tensor, terminated: Tensor) -> tuple[Tensor, Tensor]:
+    """``done`` and ``terminated`` as bool, or a ``ValueError``.
+
+    Flags that are not bool must hold only 0 and 1 (0.5 or NaN is a bug upstream, not "true"),
+    and ``terminated`` must imply ``done``, as in TorchRL: a terminated step that does not end its
+    episode has no meaning here (TorchRL's GAE would zero its bootstrap yet carry the advantage
+    across it). All checks share one host synchronisation.
+    """
+    flags = []
+    problems = []
+    for name, flag in (("done", done), ("terminated", terminated)):
+        if flag.dtype == torch.bool:
+            flags.append(flag)
+            problems.append(flag.new_zeros((), dtype=torch.bool))
+        else:
+            problems.append(((flag != 0) & (flag != 1)).any())
+            flags.append(flag != 0)
+    done_b, terminated_b = flags
+    orphan = terminated_b & ~done_b
+    problems.append(orphan.any())
+    bad_done, bad_terminated, has_orphan = torch.stack(problems).tolist()
+    for name, flag, bad in (("done", done, bad_done), ("terminated", terminated, bad_terminated)):
+        if bad:
+            found = torch.unique(flag[(flag != 0) & (flag != 1)])[:5].tolist()
+            raise ValueError(f"{name} must be bool or hold only 0 and 1, got {flag.dtype} values {found}")
+    if has_orphan:
+        first = [int(i) for i in orphan.nonzero()[0].tolist()]
+        raise ValueError(
+            f"terminated must imply done: terminated is True where done is False at "
+            f"{int(orphan.sum())} step(s), the first at index {first} of shape {list(done.shape)}"
+        )
+    return done_b, terminated_b
+
+
 def _scan_levels(gamma_lmbda: float, horizon: int, dtype: torch.dtype) -> list[float]:
     """Coefficients ``c**k`` (``k = 1, 2, 4, ...``) of the doubling scan.
 
@@ -179,12 +235,13 @@ def masked_generalized_advantage_estimate(
     loss_mask: Tensor,
     *,
     time_dim: int = -2,
-) -> tuple[Tensor, Tensor]:
+    masked_value_targets: bool = False,
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """GAE over the trainable steps of each episode (``loss_mask == 1``).
 
     Args:
-        gamma (float or scalar Tensor): discount factor.
-        lmbda (float or scalar Tensor): GAE trace decay.
+        gamma (float or one-element Tensor): discount factor, in ``[0, 1]``.
+        lmbda (float or one-element Tensor): GAE trace decay, in ``[0, 1]``.
         state_value (Tensor): ``V[t]``, shape ``[*B, T, F]`` (time at ``time_dim``).
         next_state_value (Tensor): ``V'[t]``, the value of the observation reached by step ``t``.
         reward (Tensor): ``r[t]`` (TorchRL's ``("next", "reward")``).
@@ -196,15 +253,33 @@ def masked_generalized_advantage_estimate(
 
     Keyword Args:
         time_dim (int): the time dimension of the ``[*B, T, F]`` tensors. Defaults to ``-2``.
+        masked_value_targets (bool): also write value targets at masked steps, so that a critic
+            trained on them makes the bootstrap ``V'[e]`` of a row cut (or an episode truncated)
+            inside a masked block meaningful (``docs/semantics.md``, "Value targets at masked
+            steps"). For a masked step ``u`` of an episode with at least one trainable step:
+            ``G(t_next) + sum(r[u:t_next]) / gamma`` where ``t_next`` is the episode's next
+            trainable step, else (after its last trainable step, up to its end ``e``)
+            ``sum(r[u:e+1]) / gamma + (0 if terminated[e] else V'[e])``; with ``gamma == 0``
+            the reward terms are omitted. Advantages are unchanged. Defaults to ``False``.
 
     Returns:
         ``(advantage, value_target)``, each of ``state_value``'s shape and dtype, exactly ``0``
         at masked steps. float16 / bfloat16 inputs are computed in float32.
+        With ``masked_value_targets=True``: ``(advantage, value_target, value_target_mask)``,
+        where the bool ``value_target_mask`` (``state_value``'s shape) is true at every step that
+        carries a target (trainable steps, and masked steps of episodes with a trainable step);
+        ``value_target`` is ``0`` elsewhere.
+
+    Raises:
+        ValueError: a shape, ``time_dim``, ``gamma`` or ``lmbda`` outside ``[0, 1]`` (or NaN),
+            a ``loss_mask``, ``done`` or ``terminated`` holding values other than 0 and 1, or
+            ``terminated`` set where ``done`` is not.
 
     Every row's last step ends an episode (a cut row bootstraps from ``V'``). All tensors but
-    ``loss_mask`` must share ``state_value``'s shape. The only host synchronisations are one
-    ``nonzero`` and, for a non-bool ``loss_mask``, the check that it holds only 0 and 1 (and
-    ``float()`` of ``gamma * lmbda`` if they are CUDA tensors).
+    ``loss_mask`` must share ``state_value``'s shape. Host synchronisations: one ``nonzero``,
+    one for the checks of ``done`` and ``terminated``, one more for a non-bool ``loss_mask``
+    (the check that it holds only 0 and 1), and reading ``gamma`` and ``lmbda`` if they are
+    CUDA tensors.
 
     Examples:
         >>> import torch
@@ -239,6 +314,8 @@ def masked_generalized_advantage_estimate(
         )
     time_dim %= ndim
     mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
+    gamma_f, lmbda_f = _check_discount("gamma", gamma), _check_discount("lmbda", lmbda)
+    done, terminated = _check_episode_flags(done, terminated)
 
     out_dtype = state_value.dtype
     if not out_dtype.is_floating_point:
@@ -246,7 +323,10 @@ def masked_generalized_advantage_estimate(
     dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
     horizon = state_value.shape[time_dim]
     if state_value.numel() == 0:
-        return torch.zeros_like(state_value), torch.zeros_like(state_value)
+        empty = torch.zeros_like(state_value)
+        if masked_value_targets:
+            return empty, empty.clone(), torch.zeros_like(empty, dtype=torch.bool)
+        return empty, empty.clone()
 
     def stream(x: Tensor) -> Tensor:
         # [*B, T, F] -> [N * T] with time fastest, so each row is a contiguous run.
@@ -261,7 +341,7 @@ def masked_generalized_advantage_estimate(
     end.view(-1, horizon)[:, -1] = True  # a row's last step ends its episode
     length = end.numel()
     gamma_t = gamma.to(device=value.device, dtype=dtype) if isinstance(gamma, Tensor) else gamma
-    gamma_lmbda = float(gamma * lmbda)
+    gamma_lmbda = gamma_f * lmbda_f
 
     # Markers: every trainable step and every episode's first step. The markers cut the stream
     # into runs; a run's rewards are folded into its marker: a trainable marker is the run's
@@ -272,7 +352,6 @@ def masked_generalized_advantage_estimate(
     pos = _flat_nonzero(marker)  # the only host synchronisation
     run = torch.cumsum(marker, 0, dtype=torch.int32 if length < 2**31 else torch.int64)
     folded = value.new_zeros(pos.numel() + 1).index_add_(0, run, rew)[1:]  # run is 1-based
-    del marker, run
 
     # In the compressed stream the marker after j is the next action of j's episode, or the
     # next episode's start; either way step nxt[j] (the one before it) ends j's run.
@@ -290,17 +369,67 @@ def masked_generalized_advantage_estimate(
     delta = delta.mul_(gamma_t).add_(folded).sub_(value_c).masked_fill_(masked, 0.0)
     # The carry flows from j + 1 into an action j of the same episode; a masked marker gets 0.
     gate = (last | masked).logical_not_()
-    del folded, nxt, last
+    del folded
 
     advantage_c = _reverse_linear_scan(delta, gate, _scan_levels(gamma_lmbda, horizon, dtype))
     target_c = torch.add(advantage_c, value_c).masked_fill_(masked, 0.0)
 
+    moved_shape = state_value.movedim(time_dim, -1).shape
+
     def unstream(x: Tensor) -> Tensor:
-        full = x.new_zeros(length).scatter_(0, pos, x)
-        moved_shape = state_value.movedim(time_dim, -1).shape
+        full = x if x.numel() == length else x.new_zeros(length).scatter_(0, pos, x)
         return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
 
-    return unstream(advantage_c), unstream(target_c)
+    if not masked_value_targets:
+        return unstream(advantage_c), unstream(target_c)
+    target, has_target = _masked_step_targets(
+        target_c, masked, last, pos, nxt, run, marker, m, rew, term, next_value,
+        gamma_t if gamma_f > 0 else None, horizon,
+    )
+    has_target = has_target.view(moved_shape).movedim(-1, time_dim)
+    return unstream(advantage_c), unstream(target), has_target
+
+
+def _masked_step_targets(
+    target_c: Tensor,
+    masked_c: Tensor,
+    last_c: Tensor,
+    pos: Tensor,
+    nxt: Tensor,
+    run: Tensor,
+    marker: Tensor,
+    trainable: Tensor,
+    reward: Tensor,
+    terminated: Tensor,
+    next_value: Tensor,
+    gamma: float | Tensor | None,
+    horizon: int,
+) -> tuple[Tensor, Tensor]:
+    """Value targets at every step of the stream, and where they exist (the opt-in extension).
+
+    ``*_c`` are per marker (compressed), the rest per step; ``run`` numbers each step's run
+    (1-based) and ``marker`` starts runs. A masked step ``u`` in marker ``j``'s run continues to
+    the run's end ``nxt[j]``, then reaches either the next marker (an action of the same episode,
+    target ``G``) or the episode's end (bootstrap ``0`` or ``V'``). Its target is that value plus
+    the rewards from ``u`` to the run's end, divided by ``gamma`` (omitted when ``gamma`` is
+    ``None``, i.e. ``0``). A run whose marker is masked and which reaches the episode's end is an
+    episode without trainable step: no target there.
+    """
+    end_value = next_value.index_select(0, nxt).masked_fill_(terminated.index_select(0, nxt), 0.0)
+    follow_c = torch.where(last_c, end_value, target_c.roll(-1))
+    has_target_c = masked_c.logical_not() | last_c.logical_not()
+    owner = run.long() - 1
+    follow = follow_c.index_select(0, owner)
+    has_target = has_target_c.index_select(0, owner)
+    target = target_c.new_zeros(trainable.numel()).scatter_(0, pos, target_c)
+    if gamma is not None:
+        # Rewards from each step to its run's end: a reverse scan with coefficient 1 whose
+        # windows stop at run ends (it keeps a NaN or inf reward inside its own run).
+        same_run = torch.cat((marker[1:].logical_not(), marker.new_zeros(1)))
+        to_run_end = _reverse_linear_scan(reward.clone(), same_run, _scan_levels(1.0, horizon, reward.dtype))
+        follow = follow + to_run_end / gamma
+    at_masked = has_target & trainable.logical_not()
+    return torch.where(at_masked, follow, target), has_target
 
 
 def masked_standardize(
@@ -316,6 +445,13 @@ def masked_standardize(
         ``(advantage - mean) / max(std, eps)`` at trainable steps, exactly ``0`` at masked steps.
         The std is the unbiased std over trainable steps, clamped at ``eps`` (``1e-4``, as in
         TorchRL), so an all-ones mask gives exactly ``(adv - adv.mean()) / adv.std()``.
+
+    Examples:
+        >>> import torch
+        >>> adv = torch.tensor([[1.0, 9.0, 3.0]]).unsqueeze(-1)          # [B, T, 1]
+        >>> mask = torch.tensor([[True, False, True]]).unsqueeze(-1)
+        >>> masked_standardize(adv, mask).squeeze(-1)
+        tensor([[-0.7071,  0.0000,  0.7071]])
     """
     mask = loss_mask.expand_as(advantage)
     weight = mask.to(advantage.dtype)

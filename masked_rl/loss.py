@@ -2,46 +2,68 @@
 
 A token stream mixes the policy's steps (``loss_mask == 1``) with steps it never chose
 (prompt, tool output; ``loss_mask == 0``). Masked GAE gives the masked steps exactly
-zero advantage and value target, but that is not enough: a stock TorchRL PPO loss would
-still average its policy, entropy and critic terms over *every* step, pull the critic
-towards ``0`` at masked steps, standardise advantages with statistics diluted by the
-masked zeros, and report ``clip_fraction`` or ``kl_approx`` over actions the environment
-ignored. Here the loss sees only the trainable steps:
+zero advantage, but that is not enough: a stock TorchRL PPO loss would still average its
+policy, entropy and critic terms over *every* step, pull the critic towards ``0`` at masked
+steps, standardise advantages with statistics diluted by the masked zeros, and report
+``clip_fraction`` or ``kl_approx`` over actions the environment ignored. Here one forward
+(:meth:`MaskedPPOLossMixin.forward`) serves both entry points, :class:`MaskedClipPPOLoss` and
+:func:`attach_masked_gae`:
 
-1. if the input has no advantage yet, the value estimator runs on the full ``[*B, T]``
+1. the loss mask is read and validated once (bool, or ``0`` / ``1`` numbers);
+2. if the input has no advantage yet, the value estimator runs on the full ``[*B, T]``
    batch (it needs the time structure, and the masked steps' rewards);
-2. the trainable steps are selected, ``tensordict[loss_mask]``, a flat ``[N]`` batch;
-3. the unchanged TorchRL loss runs on those ``N`` steps.
+3. the trainable steps are selected (:func:`select_trainable_steps`), a flat ``[N]`` batch,
+   and the unchanged TorchRL loss runs on them;
+4. with ``masked_value_targets=True``, the critic term is computed instead on every step
+   that carries a value target (``value_target_mask``, written by
+   ``MaskedGAE(masked_value_targets=True)``): trainable steps and the masked steps of
+   episodes with one. The policy and entropy terms stay on the trainable steps.
 
-So every loss term is a mean over trainable steps, ``normalize_advantage`` and every
-logged statistic use trainable steps only, a masked step gets exactly zero gradient from
-every term (whatever it stores: NaN log-probs, out-of-range actions), and the networks
-are evaluated on ``N`` steps instead of ``B * T``: in tool-use transcripts most steps are
-masked. With ``reduction="none"`` the per-step outputs have shape ``[N]``.
+So the policy and entropy terms are means over trainable steps, ``normalize_advantage``
+and the policy statistics use trainable steps only, a masked step gets exactly zero gradient
+from the policy and entropy terms (whatever it stores: NaN log-probs, out-of-range actions),
+and from the critic too unless ``masked_value_targets`` asks the critic to learn it. With
+``reduction="none"`` the per-step outputs have shape ``[N]``.
 
-TorchRL's own validity masks (``LossModule.loss_mask_key``, ``"auto"`` by default:
-``("collector", "mask")`` and ``"shifted_valid"``) keep working on top, on the selected
-steps. They are not a substitute: ``_reduce_loss`` needs a bool mask (environments
-deliver ``int8``), and neither advantage standardisation nor the logged statistics read
-them.
+The loss mask key is the loss's :attr:`loss_mask_key` (``tensor_keys.loss_mask``, one setting
+under two names). TorchRL's validity entries, ``("collector", "mask")`` and ``"shifted_valid"``,
+still count where present: a step trains only if it is trainable *and* valid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
-from tensordict import TensorDictBase, is_tensor_collection
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import dispatch
 from tensordict.utils import NestedKey
 from torchrl.objectives import ClipPPOLoss, PPOLoss
-from torchrl.objectives.utils import ValueEstimators, _coerce_value_type, default_value_kwargs
+from torchrl.objectives.utils import ValueEstimators, default_value_kwargs
 from torchrl.objectives.value import ValueEstimatorBase
 
 from masked_rl.advantages import MaskedGAE
 from masked_rl.functional import check_loss_mask
 
-__all__ = ["MaskedClipPPOLoss", "attach_masked_gae", "select_trainable_steps"]
+__all__ = ["MaskedClipPPOLoss", "MaskedPPOLossMixin", "attach_masked_gae", "select_trainable_steps"]
+
+# TorchRL's own validity entries (its ``loss_mask_key="auto"``): padding from split
+# trajectories and the shifted value estimation's invalid last steps.
+_VALIDITY_KEYS = (("collector", "mask"), "shifted_valid")
+
+
+def _step_mask(tensordict: TensorDictBase, key: NestedKey, *, what: str) -> torch.Tensor:
+    """``tensordict[key]`` validated as a per-step flag: a bool tensor of shape ``batch_size``."""
+    flag = tensordict.get(key, None)
+    if flag is None:
+        raise KeyError(
+            f"expected the {what} {key!r} in the input tensordict, "
+            f"found keys {sorted(map(str, tensordict.keys(True, True)))}"
+        )
+    # A shape-only reference: check_loss_mask accepts [*B] and [*B, 1] against [*B, 1].
+    reference = torch.empty((*tensordict.batch_size, 1), device="meta")
+    return check_loss_mask(flag, reference, key=key).squeeze(-1)
 
 
 def select_trainable_steps(
@@ -51,63 +73,185 @@ def select_trainable_steps(
 
     ``tensordict[loss_mask_key]`` must have shape ``[*B]`` or ``[*B, 1]`` (``*B`` the batch
     size) and hold bool or ``0`` / ``1`` numbers. Every entry is indexed, nested ones included.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> td = TensorDict({"loss_mask": torch.tensor([[0, 1, 1], [1, 0, 0]], dtype=torch.int8),
+        ...                  "x": torch.arange(6).view(2, 3)}, batch_size=[2, 3])
+        >>> select_trainable_steps(td)["x"]
+        tensor([1, 2, 3])
     """
-    loss_mask = tensordict.get(loss_mask_key, None)
-    if loss_mask is None:
-        raise KeyError(
-            f"expected the loss mask {loss_mask_key!r} in the input tensordict (1 where the step "
-            f"is the policy's own), found keys {sorted(map(str, tensordict.keys(True, True)))}"
-        )
-    # A shape-only reference: check_loss_mask accepts [*B] and [*B, 1] against [*B, 1].
-    reference = torch.empty((*tensordict.batch_size, 1), device="meta")
-    mask = check_loss_mask(loss_mask, reference, key=loss_mask_key).squeeze(-1)
-    return tensordict[mask]
+    return tensordict[_step_mask(tensordict, loss_mask_key, what="loss mask")]
 
 
-def _trainable_steps_for_loss(
-    loss: PPOLoss, tensordict: TensorDictBase, loss_mask_key: NestedKey
-) -> TensorDictBase:
-    """Steps 1 and 2 of the module docstring: estimate the advantage if missing, then select."""
-    estimated = tensordict.get(loss.tensor_keys.advantage, None) is None
-    if estimated:
-        if loss.critic_network is None:
-            raise RuntimeError(
-                "the input has no advantage and the loss has no critic to estimate it: "
-                f"write {loss.tensor_keys.advantage!r} first, or give the loss a critic"
+class MaskedPPOLossMixin:
+    """The forward shared by every masked PPO loss; see :mod:`masked_rl.loss`.
+
+    Mixed in before a TorchRL PPO loss class (``class MaskedClipPPOLoss(MaskedPPOLossMixin,
+    ClipPPOLoss)``); :func:`attach_masked_gae` builds such a class for any PPO loss.
+    """
+
+    masked_value_targets: bool = False
+
+    @property
+    def loss_mask_key(self) -> NestedKey:
+        """The per-step flag selecting the trainable steps: ``tensor_keys.loss_mask``."""
+        return self.tensor_keys.loss_mask
+
+    @loss_mask_key.setter
+    def loss_mask_key(self, value: NestedKey) -> None:
+        if value is None or value == "auto":
+            raise ValueError(
+                f"a masked PPO loss needs a loss mask key (TorchRL's validity entries "
+                f"{_VALIDITY_KEYS} are always honoured), got {value!r}"
             )
+        self.set_keys(loss_mask=value)
+
+    def _loss_mask_keys(self) -> tuple[NestedKey, ...]:
+        # TorchRL's reduction masks: none, every step handed to the stock loss is trainable and
+        # valid (the validity entries are folded into the selection below).
+        return ()
+
+    def make_value_estimator(self, value_type: ValueEstimators | str | None = None, **hyperparams):
+        """As in TorchRL, except that ``None`` and ``ValueEstimators.GAE`` (or ``"gae"``) build a
+        :class:`~masked_rl.MaskedGAE` wired to this loss's critic and keys. Any other estimator
+        (an instance, e.g. TorchRL's ``GAE`` for a baseline, or another enum) is installed as is."""
+        is_estimator = isinstance(value_type, ValueEstimatorBase) or (
+            isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase)
+        )
+        if value_type is not None and (is_estimator or not _names_gae(value_type)):
+            return super().make_value_estimator(value_type, **hyperparams)
+        hyperparams = {**default_value_kwargs(ValueEstimators.GAE), **hyperparams}
+        hyperparams.setdefault("masked_value_targets", self.masked_value_targets)
+        estimator = MaskedGAE.for_loss(self, **hyperparams)
+        super().make_value_estimator(estimator)
+        self._forward_value_estimator_keys()  # the loss's key names, as TorchRL does for its own
+        return self
+
+    def _forward_value_estimator_keys(self, **kwargs) -> None:
+        super()._forward_value_estimator_keys(**kwargs)
+        estimator = getattr(self, "_value_estimator", None)
+        if isinstance(estimator, MaskedGAE):
+            estimator.set_keys(
+                loss_mask=self.tensor_keys.loss_mask,
+                value_target_mask=self.tensor_keys.value_target_mask,
+            )
+
+    def _set_in_keys(self):
+        super()._set_in_keys()
+        if self.tensor_keys.loss_mask not in self._in_keys:
+            self._in_keys.append(self.tensor_keys.loss_mask)
+
+    def _selected_steps(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase | None]:
+        """Steps 1-4 of :mod:`masked_rl.loss`: ``(policy steps, critic steps or None)``."""
+        keys = self.tensor_keys
         tensordict = tensordict.clone(False)  # as TorchRL: never write into the caller's data
-        # The same call as TorchRL's PPO forward, so the estimator sees the same parameters.
-        loss.value_estimator(
-            tensordict,
-            params=loss._cached_critic_network_params_detached,
-            target_params=loss.target_critic_network_params,
-        )
-    trainable = select_trainable_steps(tensordict, loss_mask_key)
-    if trainable.batch_size.numel() == 0:
-        raise ValueError(
-            f"the batch has no trainable step ({loss_mask_key!r} is 0 everywhere): "
-            "there is nothing for the PPO loss to train on"
-        )
-    if estimated and loss.advantage_norm is not None and loss.training:
-        # TorchRL updates the return statistics only when its forward runs the estimator; the
-        # forward that follows sees the advantage present, so the update is made here.
-        loss.advantage_norm.update(trainable.get(loss.tensor_keys.value_target))
-    return trainable
-
-
-class _TrainableStepsHook:
-    """Forward pre-hook that hands a PPO loss the trainable steps of its input only."""
-
-    def __init__(self, loss_mask_key: NestedKey):
-        self.loss_mask_key = loss_mask_key
-
-    def __call__(self, loss: PPOLoss, args: tuple, kwargs: dict):
-        if len(args) != 1 or kwargs or not is_tensor_collection(args[0]):
-            raise TypeError(
-                f"a {type(loss).__name__} with masked GAE attached must be called with one "
-                f"tensordict, got {len(args)} positional and keyword arguments {sorted(kwargs)}"
+        trainable = _step_mask(tensordict, keys.loss_mask, what="loss mask (1 where the step is the policy's own)")
+        tensordict.set(keys.loss_mask, trainable.unsqueeze(-1))  # validated once: bool from here on
+        if tensordict.get(keys.advantage, None) is None:
+            if self.critic_network is None:
+                raise RuntimeError(
+                    "the input has no advantage and the loss has no critic to estimate it: "
+                    f"write {keys.advantage!r} first, or give the loss a critic"
+                )
+            # The same call as TorchRL's PPO forward, so the estimator sees the same parameters.
+            self.value_estimator(
+                tensordict,
+                params=self._cached_critic_network_params_detached,
+                target_params=self.target_critic_network_params,
             )
-        return (_trainable_steps_for_loss(loss, args[0], self.loss_mask_key),), {}
+            if self.advantage_norm is not None and self.training:
+                # TorchRL updates the return statistics when its forward runs the estimator; the
+                # stock forward below sees the advantage present, so the update is made here.
+                self.advantage_norm.update(tensordict.get(keys.value_target)[trainable])
+        for key in _VALIDITY_KEYS:
+            if key in tensordict.keys(include_nested=True):
+                trainable = trainable & _step_mask(tensordict, key, what="validity mask")
+        critic_steps = None
+        if self.masked_value_targets:
+            has_target = _step_mask(
+                tensordict, keys.value_target_mask,
+                what="value target mask (written by MaskedGAE(masked_value_targets=True))",
+            )
+            for key in _VALIDITY_KEYS:
+                if key in tensordict.keys(include_nested=True):
+                    has_target = has_target & _step_mask(tensordict, key, what="validity mask")
+            critic_steps = tensordict[has_target]
+        policy_steps = tensordict[trainable]
+        if policy_steps.batch_size.numel() == 0 and (critic_steps is None or critic_steps.batch_size.numel() == 0):
+            raise ValueError(
+                f"the batch has no trainable step ({keys.loss_mask!r} is 0 everywhere): "
+                "there is nothing for the PPO loss to train on"
+            )
+        return policy_steps, critic_steps
+
+    @dispatch
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """The stock loss's outputs, computed over the trainable steps of ``tensordict``.
+
+        Args:
+            tensordict (TensorDictBase): a ``[*B, T]`` rollout (the estimator runs if the advantage
+                is missing), or any batch of steps that already holds the advantage and the value
+                target (e.g. a replay-buffer minibatch, with ``value_target_mask`` under
+                ``masked_value_targets``).
+
+        With ``masked_value_targets``, a batch whose steps all carry targets but none trains the
+        policy gives ``loss_objective`` and ``loss_entropy`` of ``0`` and the critic's outputs only.
+        """
+        policy_steps, critic_steps = self._selected_steps(tensordict)
+        if critic_steps is None:
+            return super().forward(policy_steps)
+        if policy_steps.batch_size.numel() == 0:
+            zero = torch.zeros((), device=critic_steps.device)
+            out = TensorDict({"loss_objective": zero})
+            if self.entropy_bonus:
+                out.set("loss_entropy", zero.clone())
+        else:
+            out = super().forward(policy_steps)
+        if self._has_critic:
+            loss_critic, value_clip_fraction, explained_variance = self.loss_critic(critic_steps)
+            out.set("loss_critic", self._reduce_loss(loss_critic, critic_steps).squeeze(-1))
+            for name, stat in (("value_clip_fraction", value_clip_fraction),
+                               ("explained_variance", explained_variance)):
+                if stat is not None:
+                    out.set(name, stat)
+        return out
+
+
+def _names_gae(value_type: ValueEstimators | str) -> bool:
+    """``ValueEstimators.GAE``, or its name as a string (``"gae"``, ``"GAE"``), as TorchRL accepts."""
+    if isinstance(value_type, ValueEstimators):
+        return value_type == ValueEstimators.GAE
+    return isinstance(value_type, str) and value_type.lower() == "gae"
+
+
+def _masked_keys_class(keys_cls: type) -> type:
+    """``keys_cls`` (a loss's ``_AcceptedKeys`` dataclass) plus ``loss_mask`` and ``value_target_mask``."""
+    return dataclasses.make_dataclass(
+        keys_cls.__name__,
+        [("loss_mask", NestedKey, dataclasses.field(default="loss_mask")),
+         ("value_target_mask", NestedKey, dataclasses.field(default="value_target_mask"))],
+        bases=(keys_cls,),
+    )
+
+
+_MASKED_CLASSES: dict[type, type] = {}
+
+
+def _masked_class(loss_cls: type) -> type:
+    """The masked subclass of a TorchRL PPO loss class (built once per class)."""
+    if issubclass(loss_cls, MaskedPPOLossMixin):
+        return loss_cls
+    if loss_cls not in _MASKED_CLASSES:
+        keys = _masked_keys_class(loss_cls._AcceptedKeys)
+        _MASKED_CLASSES[loss_cls] = type(
+            f"Masked{loss_cls.__name__}",
+            (MaskedPPOLossMixin, loss_cls),
+            {"_AcceptedKeys": keys, "default_keys": keys, "__module__": __name__,
+             "__doc__": f"{loss_cls.__name__} over trainable steps (see :mod:`masked_rl.loss`)."},
+        )
+    return _MASKED_CLASSES[loss_cls]
 
 
 def attach_masked_gae(
@@ -116,37 +260,32 @@ def attach_masked_gae(
     gamma: float,
     lmbda: float,
     loss_mask_key: NestedKey = "loss_mask",
+    masked_value_targets: bool = False,
     **gae_kwargs,
 ) -> MaskedGAE:
-    """Install :class:`~masked_rl.MaskedGAE` in a TorchRL PPO loss and train on trainable steps only.
+    """Make a TorchRL PPO loss train on trainable steps only, with :class:`~masked_rl.MaskedGAE`.
 
-    Works with :class:`~torchrl.objectives.ClipPPOLoss`, :class:`~torchrl.objectives.KLPENPPOLoss`
-    and :class:`~torchrl.objectives.PPOLoss`, in place:
-
-    - the estimator is built from the loss's critic (``value_network``) and tensor keys, and
-      installed with :meth:`~torchrl.objectives.LossModule.make_value_estimator`. (In TorchRL
-      0.14.1, ``loss.value_estimator = estimator`` does *not* install it: ``nn.Module.__setattr__``
-      registers the module as a child named ``value_estimator`` without calling the property
-      setter, and the loss goes on building its default ``GAE``.) Later ``loss.set_keys(...)``
-      calls are forwarded to it as usual.
-    - a forward pre-hook makes the loss run on the trainable steps of its input only: it runs
-      the estimator on the full ``[*B, T]`` batch when the advantage is missing (and skips it
-      when the advantage is present), then selects the steps with ``loss_mask == 1``. Every
-      term (policy, entropy, critic), ``normalize_advantage`` and every logged statistic is
-      computed over trainable steps; a masked step gets zero gradient from every term. See
-      :mod:`masked_rl.loss`.
-
-    Calling it again replaces the estimator and the mask key. The loss must then be called with
-    one tensordict holding ``loss_mask_key`` (shape ``[*B]`` or ``[*B, 1]``, bool or 0/1).
+    Works in place with :class:`~torchrl.objectives.ClipPPOLoss` (it becomes a
+    :class:`MaskedClipPPOLoss`), :class:`~torchrl.objectives.KLPENPPOLoss` and
+    :class:`~torchrl.objectives.PPOLoss` (they become their masked subclass, built on
+    :class:`MaskedPPOLossMixin`): the one forward of :mod:`masked_rl.loss` then runs, and a
+    ``MaskedGAE`` built from the loss's critic and keys is installed with
+    :meth:`~torchrl.objectives.LossModule.make_value_estimator`. (In TorchRL 0.14,
+    ``loss.value_estimator = estimator`` does *not* install an estimator: ``nn.Module.__setattr__``
+    registers it as a child module without calling the property setter.) Later
+    ``loss.set_keys(...)`` calls reach the estimator as usual. Calling it again replaces the
+    estimator and the keys.
 
     Args:
         loss (PPOLoss): the loss to modify.
 
     Keyword Args:
-        gamma (float): discount factor.
-        lmbda (float): GAE trace decay.
-        loss_mask_key (NestedKey): root key of the per-step flag (``1``: the policy's own step).
-            Defaults to ``"loss_mask"``.
+        gamma (float): discount factor, in ``[0, 1]``.
+        lmbda (float): GAE trace decay, in ``[0, 1]``.
+        loss_mask_key (NestedKey): root key of the per-step flag (``1``: the policy's own step),
+            shape ``[*B]`` or ``[*B, 1]``, bool or 0/1. Defaults to ``"loss_mask"``.
+        masked_value_targets (bool): train the critic on every step carrying a value target
+            (masked steps included), see :mod:`masked_rl.loss`. Defaults to ``False``.
         **gae_kwargs: other :class:`~masked_rl.MaskedGAE` arguments (``average_gae``,
             ``differentiable``, ``device``, ``value_network`` to override the critic...).
 
@@ -158,7 +297,7 @@ def attach_masked_gae(
         >>> from tensordict.nn import TensorDictModule
         >>> from torchrl.modules import ProbabilisticActor, ValueOperator
         >>> from torchrl.objectives import ClipPPOLoss
-        >>> from masked_rl import attach_masked_gae
+        >>> from masked_rl import MaskedClipPPOLoss, attach_masked_gae
         >>> actor = ProbabilisticActor(
         ...     TensorDictModule(torch.nn.Linear(3, 4), ["observation"], ["logits"]),
         ...     in_keys=["logits"], distribution_class=torch.distributions.Categorical,
@@ -166,43 +305,28 @@ def attach_masked_gae(
         >>> critic = ValueOperator(torch.nn.Linear(3, 1), in_keys=["observation"])
         >>> loss = ClipPPOLoss(actor, critic)
         >>> gae = attach_masked_gae(loss, gamma=0.99, lmbda=0.95)
-        >>> loss.value_estimator is gae
-        True
+        >>> loss.value_estimator is gae, isinstance(loss, MaskedClipPPOLoss)
+        (True, True)
     """
     if not isinstance(loss, PPOLoss):
         raise TypeError(
             f"attach_masked_gae expects a TorchRL PPO loss (ClipPPOLoss, KLPENPPOLoss, PPOLoss), "
             f"got {type(loss).__name__}"
         )
-    keys = loss.tensor_keys
-    estimator = MaskedGAE.for_loss(loss, gamma=gamma, lmbda=lmbda, **gae_kwargs)
-    estimator.set_keys(
-        advantage=keys.advantage,
-        value_target=keys.value_target,
-        value=keys.value,
-        reward=keys.reward,
-        done=keys.done,
-        terminated=keys.terminated,
-        loss_mask=loss_mask_key,
-    )
-    loss.make_value_estimator(estimator)
-    if isinstance(loss, MaskedClipPPOLoss):
-        # Already restricted to trainable steps by its forward; keep its key in sync.
-        loss.tensor_keys.loss_mask = loss_mask_key
-        return estimator
-    handle = getattr(loss, "_masked_rl_hook", None)
-    if handle is not None:
-        handle.remove()
-    loss._masked_rl_hook = loss.register_forward_pre_hook(
-        _TrainableStepsHook(loss_mask_key), with_kwargs=True
-    )
-    return estimator
+    if not isinstance(loss, MaskedPPOLossMixin):
+        old_keys = dataclasses.asdict(loss.tensor_keys)
+        loss.__class__ = _masked_class(type(loss))
+        loss._tensor_keys = loss._AcceptedKeys(**old_keys)
+    loss.masked_value_targets = bool(masked_value_targets)
+    loss.set_keys(loss_mask=loss_mask_key)
+    loss.make_value_estimator(ValueEstimators.GAE, gamma=gamma, lmbda=lmbda, **gae_kwargs)
+    return loss.value_estimator
 
 
-class MaskedClipPPOLoss(ClipPPOLoss):
+class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
     """:class:`~torchrl.objectives.ClipPPOLoss` over the trainable steps of a token stream.
 
-    The same arguments, outputs and options as ``ClipPPOLoss``, with three differences:
+    The same arguments, outputs and options as ``ClipPPOLoss``, with these differences:
 
     - the default value estimator is :class:`~masked_rl.MaskedGAE` (TorchRL's defaults
       ``gamma=0.99, lmbda=0.95``); ``make_value_estimator(ValueEstimators.GAE, gamma=...,
@@ -214,8 +338,15 @@ class MaskedClipPPOLoss(ClipPPOLoss):
       statistics, and ``clip_fraction``, ``kl_approx``, ``ESS``, ``entropy``, ``max_ratio``,
       ``mean_ratio`` and ``explained_variance`` describe them. A masked step gets zero
       gradient from every term. See :mod:`masked_rl.loss`.
-    - the tensor key ``loss_mask`` (default ``"loss_mask"``, renamed with ``set_keys``, forwarded
-      to the estimator): shape ``[*B]`` or ``[*B, 1]``, bool or ``0`` / ``1``.
+    - the tensor key ``loss_mask`` (default ``"loss_mask"``; also :attr:`loss_mask_key`; renamed
+      with ``set_keys``, forwarded to the estimator): shape ``[*B]`` or ``[*B, 1]``, bool or
+      ``0`` / ``1``; and ``value_target_mask`` (read with ``masked_value_targets``).
+
+    Keyword Args:
+        masked_value_targets (bool): the default ``MaskedGAE`` also writes value targets at
+            masked steps, and the critic term is a mean over every step carrying one
+            (``value_target_mask``) instead of the trainable steps. Defaults to ``False``.
+        Every other argument is ``ClipPPOLoss``'s.
 
     Examples:
         >>> import torch
@@ -246,51 +377,24 @@ class MaskedClipPPOLoss(ClipPPOLoss):
 
     @dataclass
     class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
-        """``ClipPPOLoss`` keys plus ``loss_mask``.
+        """``ClipPPOLoss`` keys plus ``loss_mask`` and ``value_target_mask``.
 
         Attributes:
             loss_mask (NestedKey): root key of the per-step flag, ``1`` where the step is the
                 policy's own. Defaults to ``"loss_mask"``.
+            value_target_mask (NestedKey): root key of the flag of steps carrying a value target,
+                read with ``masked_value_targets``. Defaults to ``"value_target_mask"``.
         """
 
         loss_mask: NestedKey = "loss_mask"
+        value_target_mask: NestedKey = "value_target_mask"
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
 
-    def make_value_estimator(self, value_type: ValueEstimators | str | None = None, **hyperparams):
-        """As in TorchRL, except that ``None`` and ``ValueEstimators.GAE`` (or ``"gae"``) build a
-        ``MaskedGAE``."""
-        is_estimator = isinstance(value_type, ValueEstimatorBase) or (
-            isinstance(value_type, type) and issubclass(value_type, ValueEstimatorBase)
-        )
-        if value_type is None or (
-            not is_estimator and _coerce_value_type(value_type) == ValueEstimators.GAE
-        ):
-            hyperparams = {**default_value_kwargs(ValueEstimators.GAE), **hyperparams}
-            attach_masked_gae(self, loss_mask_key=self.tensor_keys.loss_mask, **hyperparams)
-            return self
-        return super().make_value_estimator(value_type, **hyperparams)
+    def __init__(self, *args, masked_value_targets: bool = False, **kwargs):
+        self.masked_value_targets = bool(masked_value_targets)  # read by the default estimator
+        super().__init__(*args, **kwargs)
 
-    def _forward_value_estimator_keys(self, **kwargs) -> None:
-        super()._forward_value_estimator_keys(**kwargs)
-        estimator = self._value_estimator
-        if isinstance(estimator, MaskedGAE):
-            estimator.set_keys(loss_mask=self.tensor_keys.loss_mask)
 
-    def _set_in_keys(self):
-        super()._set_in_keys()
-        if self.tensor_keys.loss_mask not in self._in_keys:
-            self._in_keys.append(self.tensor_keys.loss_mask)
-
-    @dispatch
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """The ``ClipPPOLoss`` outputs, computed over the trainable steps of ``tensordict``.
-
-        Args:
-            tensordict (TensorDictBase): a ``[*B, T]`` rollout (the estimator runs if the advantage
-                is missing), or any batch of steps that already holds the advantage and the value
-                target (e.g. a replay-buffer minibatch).
-        """
-        trainable = _trainable_steps_for_loss(self, tensordict, self.tensor_keys.loss_mask)
-        return super().forward(trainable)
+_MASKED_CLASSES[ClipPPOLoss] = MaskedClipPPOLoss

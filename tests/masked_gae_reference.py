@@ -1,4 +1,4 @@
-"""The plain serial reference for SPEC.md, and random rollout data for the estimator tests.
+"""The plain serial reference for docs/semantics.md, and random rollout data for the tests.
 
 Importable from any test module (``pythonpath = ["tests"]`` in pyproject.toml).
 """
@@ -9,7 +9,9 @@ import torch
 
 
 def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask):
-    """SPEC.md, read literally, for one row of plain Python floats (time only, no features).
+    """The rules of docs/semantics.md, read literally, for one row of plain Python floats.
+
+    Time only, no feature dim.
 
     Deliberately naive: one episode at a time, one trainable step at a time.
     Returns ``(advantage, value_target)`` as lists.
@@ -41,6 +43,37 @@ def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated,
     return advantage, target
 
 
+def serial_masked_value_targets(gamma, lmbda, value, next_value, reward, done, terminated, mask):
+    """The extension "value targets at masked steps" (docs/semantics.md), read literally, for one row.
+
+    Returns ``(value_target, has_target)`` as lists: ``G`` at trainable steps (from
+    :func:`serial_masked_gae`), the extension's target at the masked steps of an episode with a
+    trainable step, ``0`` / ``False`` elsewhere.
+    """
+    _, target = serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask)
+    horizon = len(value)
+    has_target = [bool(m) for m in mask]
+    start = 0
+    while start < horizon:
+        end = start
+        while not done[end] and end < horizon - 1:
+            end += 1
+        steps = [t for t in range(start, end + 1) if mask[t]]
+        for u in range(start, end + 1):
+            if mask[u] or not steps:
+                continue
+            later = [t for t in steps if t > u]
+            if later:
+                stop, follow = later[0], target[later[0]]
+            else:
+                stop, follow = end + 1, 0.0 if terminated[end] else next_value[end]
+            rewards = sum(reward[w] for w in range(u, stop))
+            target[u] = follow + (rewards / gamma if gamma > 0 else 0.0)
+            has_target[u] = True
+        start = end + 1
+    return target, has_target
+
+
 def serial_masked_gae_batch(gamma, lmbda, value, next_value, reward, done, terminated, mask):
     """:func:`serial_masked_gae` over ``[B, T, 1]`` tensors (mask ``[B, T]``), float64 out."""
     rows = []
@@ -50,6 +83,17 @@ def serial_masked_gae_batch(gamma, lmbda, value, next_value, reward, done, termi
     advantage = torch.tensor([r[0] for r in rows], dtype=torch.float64).unsqueeze(-1)
     target = torch.tensor([r[1] for r in rows], dtype=torch.float64).unsqueeze(-1)
     return advantage, target
+
+
+def serial_masked_value_targets_batch(gamma, lmbda, value, next_value, reward, done, terminated, mask):
+    """:func:`serial_masked_value_targets` over ``[B, T, 1]`` tensors: float64 targets, bool flags."""
+    rows = []
+    for b in range(value.shape[0]):
+        args = [x[b].reshape(-1).tolist() for x in (value, next_value, reward, done, terminated, mask)]
+        rows.append(serial_masked_value_targets(gamma, lmbda, *args))
+    target = torch.tensor([r[0] for r in rows], dtype=torch.float64).unsqueeze(-1)
+    has_target = torch.tensor([r[1] for r in rows], dtype=torch.bool).unsqueeze(-1)
+    return target, has_target
 
 
 def make_rollout(batch, horizon, *, p_mask=0.5, p_done=0.1, p_term=0.5, seed=0, dtype=torch.float64,

@@ -1,4 +1,4 @@
-"""masked_rl.functional against SPEC.md, the serial reference and TorchRL's GAE."""
+"""masked_rl.functional against docs/semantics.md, the serial reference and TorchRL's GAE."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def run(gamma, lmbda, data, **kwargs):
     return mgae(gamma, lmbda, **data, **kwargs)
 
 
-# --- SPEC worked cases -------------------------------------------------------------------
+# --- the worked cases of docs/semantics.md --------------------------------------------------
 
 
 @pytest.mark.parametrize("gap", [0, 1, 4, 50, 1000])
@@ -99,7 +99,7 @@ def test_spec_case5_fully_masked_row_is_zero_and_leaves_other_rows_bit_identical
         assert torch.equal(target[row : row + 1], target_alone)
 
 
-# --- the other SPEC rules ------------------------------------------------------------------
+# --- the other rules of docs/semantics.md ---------------------------------------------------
 
 
 def test_prompt_rewards_before_first_trainable_step_are_dropped():
@@ -359,3 +359,61 @@ def test_masked_standardize_uses_trainable_steps_only():
     torch.testing.assert_close(trainable.std(), torch.ones((), dtype=torch.float64), atol=1e-12, rtol=0)
     ones = torch.ones_like(mask).unsqueeze(-1)
     torch.testing.assert_close(masked_standardize(adv, ones), (adv - adv.mean()) / adv.std())
+
+
+# --- gamma, lmbda, done and terminated are checked --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "gamma, lmbda, message",
+    [
+        (-0.1, 0.9, r"gamma must be in \[0, 1\], got -0.1"),
+        (1.01, 0.9, r"gamma must be in \[0, 1\], got 1.01"),
+        (0.9, math.nan, r"lmbda must be in \[0, 1\], got nan"),
+        (0.9, -1.0, r"lmbda must be in \[0, 1\], got -1.0"),
+        (0.9, 1.5, r"lmbda must be in \[0, 1\], got 1.5"),
+        (torch.full((3,), 0.9), 0.9, r"gamma must be a float or a one-element tensor .* shape \[3\]"),
+        (torch.tensor(1.5), 0.9, r"gamma must be in \[0, 1\], got 1.5"),
+        ("0.9", 0.9, "gamma must be a float or a one-element tensor, got str"),
+        (True, 0.9, "gamma must be a float or a one-element tensor, got bool"),
+    ],
+)
+def test_bad_gamma_or_lmbda_raises(gamma, lmbda, message):
+    data = make_rollout(3, 20, seed=0)
+    with pytest.raises((ValueError, TypeError), match=message):
+        mgae(gamma, lmbda, *data)
+
+
+def test_one_element_tensor_gamma_equals_float():
+    data = make_rollout(3, 20, seed=0)
+    expected = mgae(0.75, 0.5, *data)
+    got = mgae(torch.tensor([0.75], dtype=torch.float64), torch.tensor(0.5), *data)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_terminated_without_done_raises():
+    value, next_value, reward, done, terminated, mask = make_rollout(2, 10, p_done=0.0, seed=0)
+    terminated = terminated.clone()
+    terminated[1, 4] = True
+    with pytest.raises(ValueError, match=r"terminated must imply done: .* 1 step\(s\), the first at index \[1, 4, 0\]"):
+        mgae(0.9, 0.9, value, next_value, reward, done, terminated, mask)
+
+
+@pytest.mark.parametrize("name", ["done", "terminated"])
+@pytest.mark.parametrize("bad", [0.5, math.nan, 2.0])
+def test_non_binary_done_or_terminated_raises(name, bad):
+    value, next_value, reward, done, terminated, mask = make_rollout(2, 10, seed=0)
+    flags = {"done": done.double(), "terminated": terminated.double()}
+    flags[name][0, 3] = bad
+    if name == "terminated":
+        flags["done"][0, 3] = 1.0
+    with pytest.raises(ValueError, match=rf"{name} must be bool or hold only 0 and 1, got torch.float64 values"):
+        mgae(0.9, 0.9, value, next_value, reward, flags["done"], flags["terminated"], mask)
+
+
+def test_numeric_done_and_terminated_equal_bool():
+    data = list(make_rollout(3, 20, seed=4))
+    expected = mgae(0.9, 0.9, *data)
+    data[3], data[4] = data[3].to(torch.int8), data[4].float()
+    got = mgae(0.9, 0.9, *data)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

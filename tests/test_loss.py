@@ -1,4 +1,7 @@
-"""attach_masked_gae and MaskedClipPPOLoss: PPO terms over trainable steps only (SPEC "Loss side")."""
+"""attach_masked_gae and MaskedClipPPOLoss: PPO terms over trainable steps only.
+
+docs/semantics.md, "The loss side".
+"""
 
 from __future__ import annotations
 
@@ -163,17 +166,48 @@ def test_assigning_value_estimator_does_not_install_it_in_torchrl():
     assert loss.value_estimator is not gae
 
 
-def test_attach_twice_replaces_estimator_and_hook():
+def test_attach_twice_replaces_estimator_and_key():
     actor, critic = actor_critic()
     loss = ClipPPOLoss(actor, critic)
     hooks = len(loss._forward_pre_hooks)
     attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA)
     second = attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA, loss_mask_key="m")
     assert loss.value_estimator is second
-    assert len(loss._forward_pre_hooks) == hooks + 1
+    assert type(loss) is MaskedClipPPOLoss  # one forward for both entry points, no hooks
+    assert len(loss._forward_pre_hooks) == hooks
+    assert "m" in loss.in_keys and "loss_mask" not in loss.in_keys
     td = rollout(actor)
     td.rename_key_("loss_mask", "m")
     loss(td)  # reads the new key
+
+
+@pytest.mark.parametrize("loss_cls", [ClipPPOLoss, KLPENPPOLoss, PPOLoss])
+def test_one_mask_key_under_both_names(loss_cls):
+    """``loss.loss_mask_key`` (TorchRL's name) and ``tensor_keys.loss_mask`` are one setting."""
+    actor, critic = actor_critic()
+    loss = loss_cls(actor, critic)
+    attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA, loss_mask_key="m")
+    assert isinstance(loss, loss_cls) and type(loss).__name__ == f"Masked{loss_cls.__name__}"
+    assert loss.loss_mask_key == loss.tensor_keys.loss_mask == loss.value_estimator.tensor_keys.loss_mask == "m"
+    loss.loss_mask_key = "trainable"
+    assert loss.tensor_keys.loss_mask == loss.value_estimator.tensor_keys.loss_mask == "trainable"
+    assert "trainable" in loss.in_keys and "m" not in loss.in_keys
+    with pytest.raises(ValueError, match="needs a loss mask key"):
+        loss.loss_mask_key = "auto"
+
+
+def test_torchrl_validity_mask_still_excludes_steps():
+    actor, critic = actor_critic()
+    loss = masked_clip(actor, critic)
+    td = rollout(actor)
+    valid = torch.ones(td.batch_size, dtype=torch.bool)
+    valid[0] = False  # row 0 is padding
+    td["collector", "mask"] = valid
+    expected_input = with_masked_gae_advantage(td.exclude("collector"), critic)
+    out = loss(td)
+    expected = ClipPPOLoss(actor, critic)(select_trainable_steps(expected_input[1:]))
+    for key in expected.keys():
+        torch.testing.assert_close(out[key], expected[key], msg=key)
 
 
 def test_masked_clip_default_estimator_is_masked_gae_with_torchrl_defaults():
@@ -370,15 +404,107 @@ def test_attach_rejects_non_ppo_losses():
         attach_masked_gae(nn.Linear(1, 1), gamma=GAMMA, lmbda=LMBDA)
 
 
-def test_attached_loss_rejects_keyword_calls():
-    actor, critic = actor_critic()
-    loss = attached(ClipPPOLoss)(actor, critic)
-    with pytest.raises(TypeError, match="one tensordict"):
-        loss(observation=torch.zeros(2, OBS_DIM))
-
-
 def test_runs_on_device(device):
     actor, critic = actor_critic()
     loss = masked_clip(actor.to(device), critic.to(device))
     out = loss(rollout(actor.cpu()).to(device))
     assert out["loss_objective"].device.type == device.type
+
+
+# --- masked_value_targets: the critic learns every step carrying a target --------------------
+
+
+def test_masked_gae_writes_masked_targets_and_their_mask():
+    actor, critic = actor_critic()
+    td = rollout(actor)
+    gae = MaskedGAE(gamma=GAMMA, lmbda=LMBDA, value_network=critic, masked_value_targets=True)
+    gae.set_keys(value_target_mask="has_target")
+    assert "has_target" in gae.out_keys
+    out = gae(td.clone())
+    with torch.no_grad():
+        values = critic(td.clone())["state_value"]
+        next_values = critic(td["next"].clone())["state_value"]
+    from masked_rl import masked_generalized_advantage_estimate
+
+    expected = masked_generalized_advantage_estimate(
+        GAMMA, LMBDA, values, next_values, td["next", "reward"], td["next", "done"],
+        td["next", "terminated"], td["loss_mask"], masked_value_targets=True)
+    torch.testing.assert_close(out["advantage"], expected[0])
+    torch.testing.assert_close(out["value_target"], expected[1])
+    assert torch.equal(out["has_target"], expected[2])
+    assert (out["has_target"] & (td["loss_mask"] == 0)).any()
+
+
+def masked_targets_loss(make_loss, actor, critic, **kwargs):
+    if make_loss is masked_clip:
+        loss = MaskedClipPPOLoss(actor, critic, masked_value_targets=True, **kwargs)
+        loss.make_value_estimator(gamma=GAMMA, lmbda=LMBDA)
+        return loss
+    loss = {ROUTES[k]: c for k, c in (("attach-ClipPPOLoss", ClipPPOLoss), ("attach-KLPENPPOLoss", KLPENPPOLoss),
+                                      ("attach-PPOLoss", PPOLoss))}[make_loss](actor, critic, **kwargs)
+    attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA, masked_value_targets=True)
+    return loss
+
+
+@routes
+def test_masked_value_targets_train_the_critic_on_every_target_step(make_loss):
+    actor, critic = actor_critic()
+    loss = masked_targets_loss(make_loss, actor, critic, loss_critic_type="l2")
+    assert loss.value_estimator.masked_value_targets
+    td = rollout(actor)
+    out = loss(td)
+    estimated = td.clone()
+    loss.value_estimator(estimated)
+    has_target = estimated["value_target_mask"].squeeze(-1)
+    steps = estimated[has_target]
+    with torch.no_grad():
+        predicted = critic(steps.clone())["state_value"]
+    expected = loss.critic_coeff * (steps["value_target"] - predicted).pow(2).mean()
+    torch.testing.assert_close(out["loss_critic"], expected)
+    # The policy terms are those of the plain masked loss.
+    plain = make_loss(actor, critic, loss_critic_type="l2")
+    reference = plain(td)
+    torch.testing.assert_close(out["loss_objective"], reference["loss_objective"])
+    # Gradients: the critic reaches masked steps with a target, the policy never does.
+    masked = td["loss_mask"].squeeze(-1) == 0
+    critic_grad = observation_gradients(loss, td, "loss_critic").abs().sum(-1)
+    assert critic_grad[masked & has_target].min() > 0
+    assert (~has_target).any() and critic_grad[~has_target].max() == 0
+    for term in ("loss_objective", "loss_entropy"):
+        assert observation_gradients(loss, td, term).abs().sum(-1)[masked].max() == 0
+
+
+def test_masked_value_targets_minibatch_without_trainable_step():
+    actor, critic = actor_critic()
+    loss = masked_targets_loss(masked_clip, actor, critic)
+    td = rollout(actor)
+    loss.value_estimator(td)
+    steps = td.reshape(-1)
+    masked_only = steps[(steps["loss_mask"].squeeze(-1) == 0) & steps["value_target_mask"].squeeze(-1)]
+    out = loss(masked_only)
+    assert out["loss_objective"] == 0 and out["loss_entropy"] == 0
+    assert out["loss_critic"] > 0 and out["loss_critic"].requires_grad
+
+
+def test_masked_value_targets_precomputed_batch_needs_the_target_mask():
+    actor, critic = actor_critic()
+    loss = masked_targets_loss(masked_clip, actor, critic)
+    td = with_masked_gae_advantage(rollout(actor), critic)
+    with pytest.raises(KeyError, match="value_target_mask"):
+        loss(td)
+
+
+def test_plain_gae_baseline_critic_on_every_step():
+    """The recipe's fair `plain` baseline: TorchRL's GAE, the critic trained on every step."""
+    actor, critic = actor_critic()
+    loss = MaskedClipPPOLoss(actor, critic, masked_value_targets=True, loss_critic_type="l2")
+    loss.make_value_estimator(GAE(gamma=GAMMA, lmbda=LMBDA, value_network=critic))
+    td = rollout(actor)
+    td["value_target_mask"] = torch.ones(td.batch_size, dtype=torch.bool)
+    out = loss(td)
+    everything = td.clone()
+    GAE(gamma=GAMMA, lmbda=LMBDA, value_network=critic)(everything)
+    with torch.no_grad():
+        predicted = critic(everything.clone())["state_value"]
+    expected = loss.critic_coeff * (everything["value_target"] - predicted).pow(2).mean()
+    torch.testing.assert_close(out["loss_critic"], expected)

@@ -1,0 +1,201 @@
+"""Baseline advantage estimators for the reference experiment: what other systems do with masked steps.
+
+Each is a TorchRL value estimator, installed with ``loss.make_value_estimator(instance)``, that
+writes ``"advantage"`` and ``"value_target"`` from the same inputs as :class:`masked_rl.MaskedGAE`
+(a ``[*B, T]`` rollout with ``"loss_mask"``, ``("next", "reward")``, ``("next", "done")``,
+``("next", "terminated")`` and the critic's inputs, or precomputed ``"state_value"`` and
+``("next", "state_value")``). Both rewrite some inputs of an existing estimator on a shallow copy
+of the rollout (the caller's tensors are never modified) and write the results back:
+
+- :class:`ZeroedGAE` (``zeroed``): values and rewards multiplied by the mask, then TorchRL's
+  plain ``GAE`` over every step;
+- :class:`TerminalOnlyGAE` (``terminal-only``): :class:`masked_rl.MaskedGAE` with every masked
+  reward dropped except each episode's terminal one, and zero bootstrap at every episode end.
+
+The other two estimators of the experiment need no code here: ``masked`` is
+:class:`masked_rl.MaskedGAE` and ``plain`` is TorchRL's ``GAE``.
+
+This module imports only torch, tensordict, torchrl and masked_rl: copy it with the recipe.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.utils import NestedKey
+from torch import Tensor
+from torchrl.objectives.value import GAE
+
+from masked_rl import MaskedGAE
+from masked_rl.functional import check_loss_mask
+
+__all__ = ["TerminalOnlyGAE", "ZeroedGAE"]
+
+
+def _required(tensordict: TensorDictBase, key: NestedKey, estimator: str) -> Tensor:
+    value = tensordict.get(key, None)
+    if value is None:
+        raise KeyError(
+            f"{estimator} needs the key {key!r} in the input tensordict; found keys "
+            f"{sorted(map(str, tensordict.keys(True, True)))}"
+        )
+    return value
+
+
+def _write_back(tensordict: TensorDictBase, inputs: TensorDictBase, rewritten: set) -> None:
+    """Copy into ``tensordict`` every entry the estimator wrote into ``inputs``, its shallow copy."""
+    for key in inputs.keys(True, True):
+        if key in rewritten:
+            continue
+        value = inputs.get(key)
+        if tensordict.get(key, None) is not value:
+            tensordict.set(key, value)
+
+
+class ZeroedGAE(GAE):
+    """``zeroed``, the common "mask the tensors" approach: values and rewards multiplied by the mask,
+    then TorchRL's plain GAE over every step; its value targets are meaningful on trainable steps only.
+
+    With ``m[t]`` the ``loss_mask`` of step ``t`` and ``m'[t]`` that of the observation it reaches
+    (``("next", "loss_mask")``, ``m[t + 1]`` inside an episode), TorchRL's
+    :class:`~torchrl.objectives.value.GAE` runs on ``V[t] * m[t]``, ``V'[t] * m'[t]`` and
+    ``r[t] * m[t]``: every step is a transition (one ``gamma * lmbda`` per step, masked or not),
+    a masked step's value is 0 and its reward is dropped, including a terminal reward that
+    arrives on a masked step. Advantages at masked steps are not 0 in general (a PPO loss over
+    trainable steps ignores them). The critic's value at masked observations never enters (it is
+    multiplied by 0), so train it on trainable steps only: there its target ``A + V`` is the
+    GAE return.
+
+    Arguments and keyword arguments are :class:`~torchrl.objectives.value.GAE`'s; the tensor
+    keys are :class:`masked_rl.MaskedGAE`'s (``set_keys(loss_mask=...)`` renames the mask, read
+    at the root and under ``"next"``, shape ``[*B, T]`` or ``[*B, T, 1]``, bool or 0 / 1).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from masked_rl_examples.ppo_tool_use.baselines import ZeroedGAE
+        >>> mask = torch.tensor([[1, 0, 0, 1, 0]])
+        >>> done = torch.zeros(1, 5, 1, dtype=torch.bool); done[0, -1] = True
+        >>> reward = torch.tensor([[[0.0], [0.5], [0.0], [0.0], [1.0]]])   # both on masked steps
+        >>> td = TensorDict({
+        ...     "loss_mask": mask, "state_value": torch.ones(1, 5, 1),
+        ...     "next": {"loss_mask": torch.tensor([[0, 0, 1, 0, 0]]), "reward": reward,
+        ...              "done": done, "terminated": done, "state_value": torch.ones(1, 5, 1)},
+        ... }, batch_size=[1, 5])
+        >>> ZeroedGAE(gamma=1.0, lmbda=1.0, value_network=None)(td)["advantage"].squeeze(-1)
+        tensor([[-1.,  0.,  0., -1.,  0.]])
+    """
+
+    default_keys = MaskedGAE.default_keys
+    _AcceptedKeys = MaskedGAE._AcceptedKeys
+
+    @property
+    def in_keys(self):
+        keys = self.tensor_keys
+        return [*super().in_keys, keys.loss_mask, ("next", keys.loss_mask)]
+
+    def _masks(self, data: TensorDictBase, value: Tensor) -> tuple[Tensor, Tensor]:
+        """``m`` and ``m'`` as ``value``'s dtype, broadcastable to ``value`` (``[*B, T, 1]``)."""
+        key = self.tensor_keys.loss_mask
+        root = _required(data, key, type(self).__name__)
+        after = _required(data, ("next", key), type(self).__name__)
+        return (
+            check_loss_mask(root, value, key=key).to(value.dtype),
+            check_loss_mask(after, value, key=("next", key)).to(value.dtype),
+        )
+
+    def _call_value_nets(self, data: TensorDictBase, *args, **kwargs):
+        # The critic's outputs, multiplied by the mask of the observation each one is read at.
+        value, next_value, valid = super()._call_value_nets(data, *args, **kwargs)
+        mask, next_mask = self._masks(data, value)
+        return value * mask, next_value * next_mask, valid
+
+    def _rewritten(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, set]:
+        keys = self.tensor_keys
+        inputs = tensordict.copy()
+        reward = _required(tensordict, ("next", keys.reward), type(self).__name__)
+        mask, _ = self._masks(tensordict, reward)
+        inputs.set(("next", keys.reward), reward * mask)
+        rewritten = {("next", keys.reward)}
+        if self.value_network is None:  # precomputed values: zero them here
+            value = _required(tensordict, keys.value, type(self).__name__)
+            next_value = _required(tensordict, ("next", keys.value), type(self).__name__)
+            mask, next_mask = self._masks(tensordict, value)
+            inputs.set(keys.value, value * mask)
+            inputs.set(("next", keys.value), next_value * next_mask)
+            rewritten |= {keys.value, ("next", keys.value)}
+        return inputs, rewritten
+
+    def forward(self, tensordict: TensorDictBase, **kwargs) -> TensorDictBase:
+        """Writes ``"advantage"`` and ``"value_target"`` (``[*B, T, 1]``); keyword arguments as ``GAE``."""
+        inputs, rewritten = self._rewritten(tensordict)
+        super().forward(inputs, **kwargs)
+        _write_back(tensordict, inputs, rewritten)
+        return tensordict
+
+    def value_estimate(self, tensordict: TensorDictBase, *args, **kwargs) -> Tensor:
+        """The value target, without writing to ``tensordict``."""
+        return super().value_estimate(self._rewritten(tensordict)[0], *args, **kwargs)
+
+
+class TerminalOnlyGAE(MaskedGAE):
+    """``terminal-only``, the reference system's semantics: GAE on the trainable steps with each
+    episode's terminal reward moved to its last trainable step, every other masked reward dropped,
+    and zero bootstrap at every episode end; its value targets are meaningful on trainable steps only.
+
+    Per episode with trainable steps ``t_1 < ... < t_K`` (as in :class:`masked_rl.MaskedGAE`,
+    one ``gamma * lmbda`` per trainable transition):
+
+    - ``R_j = r[t_j]`` (rewards on trainable steps are kept), plus, for ``j = K``, the reward of
+      the episode's last step ``e`` if the episode ended there (``done[e]``, terminated or
+      truncated) and ``e`` is masked. Every other reward of a masked step is dropped (a shaping
+      bonus on a tool output, for example), and so are all rewards of an episode without a
+      trainable step.
+    - bootstrap after ``t_K``: ``0`` at an episode end, whether terminated or truncated; at a
+      row cut by the collector (not an episode end), ``V'`` of the row's last step, as every
+      TorchRL estimator does (the reference system has no cuts).
+
+    It is :class:`~masked_rl.MaskedGAE` run on ``r' = r`` where ``loss_mask`` or ``done`` else
+    ``0`` (masked GAE credits the kept terminal reward to the last trainable step before it)
+    and ``terminated' = done``; every ``MaskedGAE`` argument keeps its meaning. Advantages and
+    value targets are 0 at masked steps; train the critic on trainable steps (the reference
+    system's critic). With ``masked_value_targets=True`` the masked steps get ``MaskedGAE``'s
+    extension targets for ``r'`` and ``terminated'`` (and ``value_target_mask``), consistent
+    with these rules, for a critic that must also bootstrap cut rows.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from masked_rl_examples.ppo_tool_use.baselines import TerminalOnlyGAE
+        >>> done = torch.zeros(1, 5, 1, dtype=torch.bool); done[0, -1] = True
+        >>> reward = torch.tensor([[[0.0], [0.5], [0.0], [0.0], [1.0]]])   # both on masked steps
+        >>> td = TensorDict({
+        ...     "loss_mask": torch.tensor([[1, 0, 0, 1, 0]]), "state_value": torch.zeros(1, 5, 1),
+        ...     "next": {"reward": reward, "done": done, "terminated": torch.zeros_like(done),
+        ...              "state_value": torch.full((1, 5, 1), 7.0)},
+        ... }, batch_size=[1, 5])
+        >>> TerminalOnlyGAE(gamma=1.0, lmbda=1.0, value_network=None)(td)["advantage"].squeeze(-1)
+        tensor([[1., 0., 0., 1., 0.]])
+    """
+
+    def _rewritten(self, tensordict: TensorDictBase) -> tuple[TensorDictBase, set]:
+        keys = self.tensor_keys
+        name = type(self).__name__
+        reward = _required(tensordict, ("next", keys.reward), name)
+        done = _required(tensordict, ("next", keys.done), name)
+        mask = check_loss_mask(_required(tensordict, keys.loss_mask, name), reward, key=keys.loss_mask)
+        inputs = tensordict.copy()
+        inputs.set(("next", keys.reward), torch.where(mask | done.bool(), reward, 0.0))
+        inputs.set(("next", keys.terminated), done)
+        return inputs, {("next", keys.reward), ("next", keys.terminated)}
+
+    def forward(self, tensordict: TensorDictBase, **kwargs) -> TensorDictBase:
+        """Writes ``"advantage"`` and ``"value_target"`` (``[*B, T, 1]``, 0 at masked steps)."""
+        inputs, rewritten = self._rewritten(tensordict)
+        super().forward(inputs, **kwargs)
+        _write_back(tensordict, inputs, rewritten)
+        return tensordict
+
+    def value_estimate(self, tensordict: TensorDictBase, *args, **kwargs) -> Tensor:
+        """The value target (0 at masked steps), without writing to ``tensordict``."""
+        return super().value_estimate(self._rewritten(tensordict)[0], *args, **kwargs)
