@@ -128,8 +128,9 @@ def run_all(runs: list[PlannedRun], jobs: int) -> tuple[list[dict | None], bool]
                 while pending:
                     done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                     for future in done:
-                        summaries[futures[future]] = future.result()
-                        bar.update()
+                        if not future.cancelled():
+                            summaries[futures[future]] = future.result()
+                            bar.update()
                     if interrupt.requested and not stopping.is_set():
                         # A terminal's Ctrl-C reaches the workers too; `kill -INT <this pid>`
                         # does not: pass it on. Runs not started yet see `stopping` and skip.
