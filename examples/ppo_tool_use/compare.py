@@ -57,7 +57,10 @@ class PlannedRun:
 
 
 def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
-    """What to do for ``cfg`` in ``run_dir``; ``ValueError`` if it holds a run with other options."""
+    """What to do for ``cfg`` in ``run_dir``.
+
+    ``ValueError`` if ``run_dir`` holds a run with other options.
+    """
     if not (run_dir / CONFIG_FILE).is_file():
         return PlannedRun(cfg, run_dir, "fresh")
     changed = changed_options(read_run_config(run_dir), cfg)

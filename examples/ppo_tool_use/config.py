@@ -16,6 +16,8 @@ once the options are known to be good.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 import tempfile
@@ -23,7 +25,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 ESTIMATORS = ("masked", "plain")
-"""Values of ``--estimator``: see ``make_value_estimator`` in ``ppo_tool_use.py``."""
+"""Values of ``--estimator``: see ``set_value_estimator`` in ``ppo_tool_use.py``."""
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "none")
 """Values of ``--logger``: TorchRL logger backends (``none``: no logger)."""
 RUNTIME_FIELDS = ("output", "progress_bar", "threads")
@@ -32,6 +34,7 @@ summation order): ``compare`` ignores them when it matches an existing run folde
 RESUME_OPTIONS = ("progress_bar", "threads")
 """The only options ``train --resume`` accepts: a resumed run keeps its saved configuration."""
 MAX_SEED = 2**32 - 1
+MAX_LEADING_STEPS = 100_000
 
 
 @dataclass
@@ -204,13 +207,14 @@ def leading_environment_steps(env_id: str) -> int:
                 f"env {env_id!r} must have dict observations with a 'loss_mask' entry, "
                 f"got {type(obs).__name__} observations"
             )
-        steps = 0
-        while not int(np.asarray(obs["loss_mask"]).reshape(-1)[0]):
+        for steps in range(MAX_LEADING_STEPS):
+            if int(np.asarray(obs["loss_mask"]).reshape(-1)[0]):
+                return steps
             obs, _, terminated, truncated, _ = env.step(0)
-            steps += 1
             if terminated or truncated:
                 raise ValueError(f"env {env_id!r} ended an episode without a trainable step")
-        return steps
+        raise ValueError(f"env {env_id!r} has no trainable step in its first "
+                         f"{MAX_LEADING_STEPS} steps")
     finally:
         env.close()
 
@@ -226,7 +230,13 @@ def check_config(cfg: Config, run_dir: Path | None = None) -> None:
 
     import masked_rl_envs  # noqa: F401  (registers the MaskedRL ids)
 
-    if cfg.env not in gym.registry:
+    module, _, env_id = cfg.env.rpartition(":")  # gymnasium's "module:Namespace/Name-v0"
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(f"env: cannot import {module!r} for {cfg.env!r}: {err}") from None
+    if env_id not in gym.registry:
         known = ", ".join(sorted(i for i in gym.registry if i.startswith("MaskedRL/")))
         raise ValueError(f"env: unknown environment id {cfg.env!r} (registered: {known})")
     leading = leading_environment_steps(cfg.env)
@@ -239,8 +249,6 @@ def check_config(cfg: Config, run_dir: Path | None = None) -> None:
         )
     check_device(cfg.device)
     if cfg.logger not in ("csv", "none"):
-        import importlib.util
-
         if importlib.util.find_spec(cfg.logger) is None:
             raise ValueError(f"logger: {cfg.logger!r} needs the {cfg.logger} package installed")
     check_writable_folder("output", run_dir if run_dir is not None else cfg.run_dir())
@@ -278,7 +286,8 @@ def check_writable_folder(name: str, folder: Path) -> None:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"{name}: {str(existing)!r} is a file, cannot hold the folder {str(folder)!r}")
+        raise ValueError(
+            f"{name}: {str(existing)!r} is a file, cannot hold the folder {str(folder)!r}")
     try:  # a real write: os.access says yes to root on read-only file systems
         with tempfile.TemporaryFile(dir=existing):
             pass
@@ -518,7 +527,8 @@ def parse_eval_command(argv: list[str] | None = None, prog: str | None = None) -
                         help="greedy episodes (default: the run's --eval-episodes)")
     parser.add_argument("--seed", type=int, default=None,
                         help="seed of the episodes (default: the seed of the run's own "
-                        "evaluations, so the last checkpoint reproduces its last eval/success_rate)")
+                        "evaluations, so the last checkpoint reproduces its last "
+                        "eval/success_rate)")
     parser.add_argument("--render", action="store_true",
                         help="print the transcript of one greedy episode (seeded with --seed)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the run's)")

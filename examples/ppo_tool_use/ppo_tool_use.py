@@ -240,7 +240,8 @@ def training_steps(batch: TensorDictBase) -> TensorDictBase:
     return select_trainable_steps(batch)
 
 
-def update(loss, optimizer, buffer: ReplayBuffer, steps: TensorDictBase, cfg: Config) -> dict | None:
+def update(loss, optimizer, buffer: ReplayBuffer, steps: TensorDictBase,
+           cfg: Config) -> dict | None:
     """``cfg.epochs`` passes of clipped-gradient Adam steps over ``steps`` in minibatches.
 
     Returns the mean of each loss statistic, or ``None`` (no update) when ``steps`` holds no

@@ -53,7 +53,8 @@ def test_options_overlay_the_defaults(tmp_path):
      ({"lmbda": math.nan}, r"lmbda must be in \[0, 1\], got nan"),
      ({"clip_epsilon": -1.0}, "clip_epsilon must be a finite number >= 0, got -1.0"),
      ({"entropy_coeff": math.inf}, "entropy_coeff must be a finite number >= 0, got inf"),
-     ({"threads": 0}, "threads must be >= 1, got 0"), ({"frames": 2.5}, "frames must be an integer"),
+     ({"threads": 0}, "threads must be >= 1, got 0"),
+     ({"frames": 2.5}, "frames must be an integer"),
      ({"logger": "foo"}, "logger must be one of")],
 )
 def test_config_rejects_bad_values(kwargs, match):

@@ -216,10 +216,13 @@ def test_a_batch_without_trainable_steps_skips_its_update(tmp_path, monkeypatch)
         "completed", 2, 1)
     scalars = Path(summary["run_dir"]) / "scalars" / "train"
     assert (scalars / "update_skipped.csv").read_text() == "512,1.0\n1024,0.0\n"
-    assert [line.split(",")[0] for line in (scalars / "loss_objective.csv").read_text().split()] == [
-        "1024"]
+
+    def read(name):
+        return [line.split(",") for line in (scalars / f"{name}.csv").read_text().split()]
+
+    assert [step for step, _ in read("loss_objective")] == ["1024"]
     for name in ("episodes_cut_share", "bootstrap_masked_share"):
-        values = [float(line.split(",")[1]) for line in (scalars / f"{name}.csv").read_text().split()]
+        values = [float(value) for _, value in read(name)]
         assert len(values) == 2 and all(0 <= v <= 1 for v in values), name
 
 
