@@ -46,8 +46,7 @@ from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 from torchrl.objectives.value import GAE
 from torchrl.record.loggers import get_logger
 
-from masked_rl import MaskedClipPPOLoss
-from masked_rl.loss import select_trainable_steps
+from masked_rl import MaskedClipPPOLoss, select_trainable_steps
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
     from . import utils
@@ -279,19 +278,19 @@ def evaluate_greedy(actor, eval_env, cfg: Config, progress: Progress, logger,
     return result["success_rate"]
 
 
-def save_checkpoint(run_dir: Path, cfg: Config, progress: Progress, actor, critic, optimizer,
+def save_checkpoint(run_dir: Path, cfg: Config, progress: Progress, stateful: dict,
                     collector) -> None:
     """Everything :func:`train` needs to carry on from here, written atomically.
 
-    Loadable with ``torch.load(..., weights_only=True)``; the environments' and the host
+    ``stateful`` names the objects whose ``state_dict()`` is kept (networks, optimizer, ...).
+    Loadable with ``torch.load(..., weights_only=True)`` (what ``masked-rl eval`` does), so
+    every state must be tensors and plain containers; the environments' and the host
     generators' states are pickled bytes, unpickled only by ``--resume``.
     """
     state = {
         "config": asdict(cfg),
         "progress": asdict(progress),
-        "actor": actor.state_dict(),
-        "critic": critic.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        **{name: part.state_dict() for name, part in stateful.items()},
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
         "host_rng": utils.host_random_state(),
@@ -359,11 +358,11 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
     )
     loss = make_loss(cfg, actor, critic)
     optimizer = torch.optim.Adam(loss.parameters(), lr=cfg.lr)
+    stateful = {"actor": actor, "critic": critic, "optimizer": optimizer}  # in checkpoints
     progress = Progress()
     if checkpoint is not None:
-        actor.load_state_dict(checkpoint["actor"])
-        critic.load_state_dict(checkpoint["critic"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        for name, part in stateful.items():
+            part.load_state_dict(checkpoint[name])
         progress = Progress(**checkpoint["progress"])
     wall_time_before = progress.wall_time_s
 
@@ -388,7 +387,7 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
             if not progress.history:  # the untrained policy, and a first checkpoint
                 evaluate_greedy(actor, eval_env, cfg, progress, logger, max_episode_steps)
                 progress.next_eval = cfg.eval_every
-                save_checkpoint(run_dir, cfg, progress, actor, critic, optimizer, collector)
+                save_checkpoint(run_dir, cfg, progress, stateful, collector)
             collect_start = time.perf_counter()
             for batch in collector or ():
                 # Collect.
@@ -415,7 +414,7 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
                     evaluate_greedy(actor, eval_env, cfg, progress, logger, max_episode_steps)
                     while progress.next_eval <= progress.frames:
                         progress.next_eval += cfg.eval_every
-                    save_checkpoint(run_dir, cfg, progress, actor, critic, optimizer, collector)
+                    save_checkpoint(run_dir, cfg, progress, stateful, collector)
                 bar.update(batch.numel())
                 bar.set_postfix(train_success=f"{episodes.get('success_rate', float('nan')):.2f}",
                                 eval_success=f"{progress.history[-1]['success_rate']:.2f}")
@@ -424,7 +423,7 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
                 collect_start = time.perf_counter()
         progress.wall_time_s = wall_time_before + time.perf_counter() - started
         if interrupt.requested:
-            save_checkpoint(run_dir, cfg, progress, actor, critic, optimizer, collector)
+            save_checkpoint(run_dir, cfg, progress, stateful, collector)
     finally:
         bar.close()
         if collector is not None:
