@@ -74,6 +74,7 @@ from tqdm import tqdm
 
 from masked_rl.advantages import MaskedGAE
 from masked_rl.functional import masked_generalized_advantage_estimate
+from masked_rl_examples.ppo_tool_use.config import check_writable_folder
 
 __all__ = [
     "Workload",
@@ -720,6 +721,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
         parser.error("--repeats and --chunk must be >= 1 and --warmup >= 0")
+    if not args.min_time_ms >= 0:  # nan too
+        parser.error(f"--min-time-ms must be >= 0, got {args.min_time_ms}")
+    try:  # before the benchmark runs, not after
+        check_writable_folder("--out", args.out)
+    except ValueError as err:
+        parser.error(str(err))
     device = torch.device(args.device)
     if device.type == "cuda" and args.clock == "cpu":
         parser.error("--clock cpu times the CPU only; use the wall clock with --device cuda")

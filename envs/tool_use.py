@@ -178,7 +178,9 @@ class ToolUseEnv(gym.Env):
     `Discrete(V)` with `V = 8 + n_filler + n_keys + n_values` (17 for v0, 32 for the hard id):
     the next token. Token ids: `0 <pad>, 1 <bos>, 2 CALL, 3 ANSWER, 4 RESULT, 5 ERROR, 6 END,
     7 <eos>`, then the filler words, the keys and the values (see :class:`ToolUseGrammar`). On
-    masked steps (`loss_mask == 0`) the action is ignored and may be anything.
+    agent steps the action must be one integer (a Python or NumPy integer, or a one-element
+    integer array) in `[0, V)`: a float, a bool or a string raises `ValueError`. On masked
+    steps (`loss_mask == 0`) the action is ignored and may be anything.
 
     ## Observation Space
     `Dict` with
@@ -326,6 +328,7 @@ class ToolUseEnv(gym.Env):
         self._written_by_env = np.zeros(self.max_steps, dtype=bool)
         self._num_steps = 0
         self._episode_over = True
+        self._table: np.ndarray | None = None  # drawn by reset()
 
     # -- episode state -------------------------------------------------------------------------
 
@@ -348,6 +351,7 @@ class ToolUseEnv(gym.Env):
         return self._observation(), self._info()
 
     def step(self, action):
+        self._require_reset("step()")
         if self._episode_over:
             raise RuntimeError("step() called after the episode ended; call reset() first")
         terminated = False
@@ -370,13 +374,20 @@ class ToolUseEnv(gym.Env):
         self._episode_over = terminated or truncated
         return self._observation(), float(reward), terminated, truncated, self._info()
 
+    def _require_reset(self, what: str) -> None:
+        if self._table is None:
+            raise RuntimeError(f"{what} called before reset(); call reset() first")
+
     def _validate_action(self, action) -> int:
-        try:
-            token = int(np.asarray(action).reshape(()))
-        except (TypeError, ValueError):
+        """The token of an agent step: one integer (Python, NumPy or a one-element integer
+        array). A float, a bool or a string is an error, not a token: ``int(10.9)`` would
+        silently write token 10."""
+        value = None if isinstance(action, (str, bytes)) else np.asarray(action)
+        if value is None or value.dtype.kind not in "iu" or value.size != 1:
             raise ValueError(
-                f"action must be a single integer in [0, {self.action_space.n}), got {action!r}"
-            ) from None
+                f"action must be one integer in [0, {self.action_space.n}), got {action!r}"
+            )
+        token = int(value.reshape(()))
         if not 0 <= token < self.action_space.n:
             raise ValueError(f"action must be in [0, {self.action_space.n}), got {token}")
         return token
@@ -461,11 +472,13 @@ class ToolUseEnv(gym.Env):
     @property
     def table(self) -> np.ndarray:
         """Value index of each key in this episode's hidden table, shape ``[n_keys]``."""
+        self._require_reset("table")
         return self._table.copy()
 
     @property
     def queries(self) -> list[int]:
         """Key indices asked in this episode, in answer order."""
+        self._require_reset("queries")
         return list(self._queries)
 
     # -- rendering -----------------------------------------------------------------------------

@@ -1,24 +1,63 @@
-"""The ``masked-rl`` command line: ``train``, ``compare`` and ``bench``.
+"""The ``masked-rl`` command line: ``train``, ``compare``, ``eval`` and ``bench``.
 
-Each sub-command lives in its own module and is imported only when it is run, so
-``masked-rl bench`` does not pay for importing Gymnasium environments and vice versa.
+Each command parses and checks its options with a torch-free module first and imports the
+code that runs it (torch, TorchRL, the environments) only then: ``--help`` and option errors
+come back at once, and ``masked-rl bench`` does not pay for the recipe or vice versa.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
+
+def _train(argv: list[str]) -> int:
+    from masked_rl_examples.ppo_tool_use.config import parse_train_command
+
+    command = parse_train_command(argv, prog="masked-rl train")
+    from masked_rl_examples.ppo_tool_use.ppo_tool_use import run_train_command
+
+    return run_train_command(command)
+
+
+def _compare(argv: list[str]) -> int:
+    from masked_rl_examples.ppo_tool_use.config import parse_compare_command
+
+    command = parse_compare_command(argv, prog="masked-rl compare")
+    from masked_rl_examples.ppo_tool_use.compare import run_compare_command
+
+    return run_compare_command(command)
+
+
+def _eval(argv: list[str]) -> int:
+    from masked_rl_examples.ppo_tool_use.config import parse_eval_command
+
+    command = parse_eval_command(argv, prog="masked-rl eval")
+    from masked_rl_examples.ppo_tool_use.ppo_tool_use import run_eval_command
+
+    return run_eval_command(command)
+
+
+def _bench(argv: list[str]) -> int:
+    from masked_rl_benchmarks.bench import main
+
+    return main(argv)
+
+
+def _bench_cp(argv: list[str]) -> int:
+    from masked_rl_benchmarks.cp import main
+
+    return main(argv)
+
+
 _COMMANDS = {
-    "train": ("masked_rl_examples.ppo_tool_use.commands", "train_main",
-              "train PPO on a toy tool-use environment (masked or plain GAE)"),
-    "compare": ("masked_rl_examples.ppo_tool_use.commands", "compare_main",
-                "masked vs plain GAE over several seeds: table, CSV and PNG"),
-    "bench": ("masked_rl_benchmarks.bench", "main",
-              "time masked GAE against the alternatives: table, CSV and JSON"),
-    "bench-cp": ("masked_rl_benchmarks.cp", "main",
-                 "context-parallel masked GAE vs rebuilding full rows, on N gloo ranks"),
+    "train": (_train, "train PPO on a toy tool-use environment (masked or plain GAE); "
+                      "--resume RUN_DIR continues an interrupted run"),
+    "compare": (_compare, "masked vs plain GAE over several seeds: table, CSV and PNG "
+                          "(re-run to resume)"),
+    "eval": (_eval, "greedy success of a trained checkpoint over seeded episodes"),
+    "bench": (_bench, "time masked GAE against the alternatives: table, CSV and JSON"),
+    "bench-cp": (_bench_cp, "context-parallel masked GAE vs rebuilding full rows, on N gloo ranks"),
 }
 
 
@@ -28,15 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="masked-rl",
         description="Masked GAE for multi-turn, tool-using agents in TorchRL.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{train,compare,bench}")
-    for name, (_, _, help_text) in _COMMANDS.items():
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(_COMMANDS) + "}")
+    for name, (_, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
-        parser.parse_args(argv[:1] or ["--help"])
+    if not argv or argv[0] not in _COMMANDS:
+        parser.parse_args(argv[:1] or ["--help"])  # --help, or a one-line error
         return 2
-    module_name, func_name, _ = _COMMANDS[argv[0]]
-    command = getattr(importlib.import_module(module_name), func_name)
-    return int(command(argv[1:]) or 0)
+    run, _ = _COMMANDS[argv[0]]
+    return int(run(argv[1:]) or 0)
 
 
 if __name__ == "__main__":

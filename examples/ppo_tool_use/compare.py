@@ -1,53 +1,151 @@
 """Masked GAE against TorchRL's plain GAE: the same PPO recipe, seeds and budget.
 
-Both arms run :func:`~masked_rl_examples.ppo_tool_use.ppo_tool_use.train` with identical
-settings (losses over trainable steps only, TorchRL's default ``gamma=0.99, lmbda=0.95``,
-every other hyper-parameter from :class:`~masked_rl_examples.ppo_tool_use.config.Config`);
-only the value estimator differs. Runs go to ``--jobs`` worker processes. Output, under
-``--output``: one run folder per (estimator, seed), ``summary.csv`` (one row per run),
-``curves.csv`` (greedy success at every evaluation) and ``curves.png``.
+Every arm runs :func:`ppo_tool_use.train` with identical settings (losses over trainable steps
+only, TorchRL's default ``gamma=0.99, lmbda=0.95``, every other hyper-parameter from
+:class:`config.Config`); only the value estimator differs. Runs go to ``--jobs`` worker
+processes. Output, under ``--output``: one run folder per (estimator, seed), ``summary.csv``
+(one row per run), ``curves.csv`` (greedy success at every evaluation) and ``curves.png``.
+
+Resumable: :func:`plan_runs` looks at each run folder first. A finished run with the same
+options is reused, an interrupted one (a checkpoint without a finished summary) is resumed,
+and a folder holding a run with other options is an error before anything runs. The first
+Ctrl-C stops every run at the end of its batch (each writes its checkpoint and an interrupted
+summary) and exits with status 130; the same command then picks up where it stopped.
+
+Run ``python compare.py --help`` from this folder, or ``masked-rl compare --help``.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
+import io
+import json
 import multiprocessing
+import os
+import signal
 import statistics
+import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import replace
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import tqdm
 
-from masked_rl_examples.ppo_tool_use.config import Config, add_config_arguments
-from masked_rl_examples.ppo_tool_use.ppo_tool_use import SUCCESS_THRESHOLD, train
+if __package__:  # imported, e.g. by `masked-rl compare` (masked_rl_examples.ppo_tool_use)
+    from . import utils
+    from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, CompareCommand, Config,
+                         changed_options, parse_compare_command, read_run_config)
+    from .ppo_tool_use import SUCCESS_THRESHOLD, train
+else:  # run as a script from this folder: python compare.py
+    import utils
+    from config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, CompareCommand, Config,
+                        changed_options, parse_compare_command, read_run_config)
+    from ppo_tool_use import SUCCESS_THRESHOLD, train
 
-ESTIMATORS = ("masked", "plain")
-DEFAULT_FRAMES = 1_400_000
-"""Frames per run of ``masked-rl compare`` (6 runs on 2 cores in under 15 minutes)."""
+
+@dataclass
+class PlannedRun:
+    """One run of the comparison and what its folder already holds."""
+
+    config: Config
+    run_dir: Path
+    state: str
+    """``"fresh"`` (train from scratch), ``"resume"`` (from its checkpoint) or ``"done"``."""
+    summary: dict | None = None
+    """The finished run's summary (``state == "done"``)."""
 
 
-def _train_quietly(cfg: Config) -> dict:
-    return train(cfg)
+def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
+    """What to do for ``cfg`` in ``run_dir``.
+
+    ``ValueError`` if ``run_dir`` holds a run with other options.
+    """
+    if not (run_dir / CONFIG_FILE).is_file():
+        return PlannedRun(cfg, run_dir, "fresh")
+    changed = changed_options(read_run_config(run_dir), cfg)
+    if changed:
+        raise ValueError(f"{str(run_dir)!r} holds a run with other options ({', '.join(changed)} "
+                         "differ): use another --output, or delete that folder")
+    summary_path = run_dir / SUMMARY_FILE
+    if summary_path.is_file():
+        summary = json.loads(summary_path.read_text())
+        if summary["status"] == "completed":
+            return PlannedRun(cfg, run_dir, "done", summary)
+    if (run_dir / CHECKPOINT_FILE).is_file():
+        return PlannedRun(cfg, run_dir, "resume")
+    return PlannedRun(cfg, run_dir, "fresh")
 
 
-def run_all(base: Config, seeds: list[int], jobs: int) -> list[dict]:
-    """Train every (estimator, seed) pair; returns their summaries, in a fixed order."""
-    configs = [replace(base, estimator=e, seed=s) for s in seeds for e in ESTIMATORS]
-    if jobs == 1:
-        return [train(cfg) for cfg in tqdm.tqdm(configs, unit="run", desc="compare")]
-    summaries = {}
-    # spawn: a fresh interpreter per worker (forking a process that holds torch threads and
-    # collector state is fragile).
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = {pool.submit(_train_quietly, cfg): i for i, cfg in enumerate(configs)}
-        for future in tqdm.tqdm(as_completed(futures), total=len(futures), unit="run",
-                                desc="compare"):
-            summaries[futures[future]] = future.result()
-    return [summaries[i] for i in range(len(configs))]
+def plan_runs(command: CompareCommand) -> list[PlannedRun]:
+    """One run per (seed, estimator), in a fixed order; checks every folder before any run."""
+    runs = []
+    for seed in command.seeds:
+        for estimator in command.estimators:
+            cfg = replace(command.base, estimator=estimator, seed=seed)
+            runs.append(plan_run(cfg, cfg.run_dir()))
+    return runs
+
+
+_stopping = None  # in a worker process: the event set when the comparison is stopping
+
+
+def _init_worker(stopping) -> None:
+    global _stopping
+    _stopping = stopping
+    # Outside train() (which handles it), a Ctrl-C must not kill the worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def train_planned(run: PlannedRun) -> dict | None:
+    """Train (or resume) one run; ``None`` if the comparison stopped before it started."""
+    if _stopping is not None and _stopping.is_set():
+        return None
+    return train(run.config, run_dir=run.run_dir, resume=run.state == "resume")
+
+
+def run_all(runs: list[PlannedRun], jobs: int) -> tuple[list[dict | None], bool]:
+    """Summaries of ``runs`` (``None`` for runs never started) and whether a SIGINT stopped them."""
+    summaries = [run.summary for run in runs]
+    todo = [i for i, run in enumerate(runs) if run.state != "done"]
+    bar = tqdm.tqdm(total=len(todo), unit="run", desc="compare")
+    with utils.StopOnInterrupt() as interrupt:
+        if jobs == 1:
+            for i in todo:
+                if interrupt.requested:
+                    break
+                summaries[i] = train_planned(runs[i])  # train() handles SIGINT while it runs
+                bar.update()
+                if summaries[i]["status"] == "interrupted":
+                    break
+        elif todo:
+            # spawn: a fresh interpreter per worker (forking a process that holds torch threads
+            # and collector state is fragile).
+            context = multiprocessing.get_context("spawn")
+            stopping = context.Event()
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=context,
+                                     initializer=_init_worker, initargs=(stopping,)) as pool:
+                with utils.sigint_ignored():  # the workers start ignoring Ctrl-C
+                    futures = {pool.submit(train_planned, runs[i]): i for i in todo}
+                pending = set(futures)
+                while pending:
+                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        if not future.cancelled():
+                            summaries[futures[future]] = future.result()
+                            bar.update()
+                    if interrupt.requested and not stopping.is_set():
+                        # A terminal's Ctrl-C reaches the workers too; `kill -INT <this pid>`
+                        # does not: pass it on. Runs not started yet see `stopping` and skip.
+                        stopping.set()
+                        for future in pending:
+                            future.cancel()
+                        for child in multiprocessing.active_children():
+                            os.kill(child.pid, signal.SIGINT)
+    bar.close()
+    interrupted = interrupt.requested or any(
+        s is None or s["status"] == "interrupted" for s in summaries)
+    return summaries, interrupted
 
 
 def _fmt_frames(frames: int | None) -> str:
@@ -65,10 +163,8 @@ def table(summaries: list[dict]) -> str:
             f"| {cfg['estimator']} | {cfg['seed']} | {s['final_success_rate']:.1%} | "
             f"{_fmt_frames(s['frames_to_threshold'])} | {s['wall_time_s']:.0f} |"
         )
-    for estimator in ESTIMATORS:
+    for estimator in dict.fromkeys(s["config"]["estimator"] for s in summaries):
         runs = [s for s in summaries if s["config"]["estimator"] == estimator]
-        if not runs:
-            continue
         success = [s["final_success_rate"] for s in runs]
         reached = [s["frames_to_threshold"] for s in runs if s["frames_to_threshold"] is not None]
         spread = f" ± {statistics.stdev(success):.1%}" if len(success) > 1 else ""
@@ -84,23 +180,28 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _csv_text(header: list[str], rows) -> str:
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(rows)
+    return text.getvalue()
+
+
 def write_csvs(summaries: list[dict], output: Path) -> tuple[Path, Path]:
     summary_path, curves_path = output / "summary.csv", output / "curves.csv"
-    with summary_path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["estimator", "seed", "frames", "final_success_rate",
-                         "frames_to_threshold", "success_threshold", "wall_time_s", "run_dir"])
-        for s in summaries:
-            writer.writerow([s["config"]["estimator"], s["config"]["seed"], s["frames"],
-                             s["final_success_rate"], s["frames_to_threshold"] or "",
-                             s["success_threshold"], round(s["wall_time_s"], 1), s["run_dir"]])
-    with curves_path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["estimator", "seed", "frames", "success_rate", "wall_time_s"])
-        for s in summaries:
-            for point in s["history"]:
-                writer.writerow([s["config"]["estimator"], s["config"]["seed"], point["frames"],
-                                 point["success_rate"], round(point["wall_time_s"], 1)])
+    utils.write_text_atomically(_csv_text(
+        ["estimator", "seed", "frames", "final_success_rate", "frames_to_threshold",
+         "success_threshold", "wall_time_s", "run_dir"],
+        ([s["config"]["estimator"], s["config"]["seed"], s["frames"], s["final_success_rate"],
+          s["frames_to_threshold"] or "", s["success_threshold"], round(s["wall_time_s"], 1),
+          s["run_dir"]] for s in summaries),
+    ), summary_path)
+    utils.write_text_atomically(_csv_text(
+        ["estimator", "seed", "frames", "success_rate", "wall_time_s"],
+        ([s["config"]["estimator"], s["config"]["seed"], point["frames"], point["success_rate"],
+          round(point["wall_time_s"], 1)] for s in summaries for point in s["history"]),
+    ), curves_path)
     return summary_path, curves_path
 
 
@@ -111,64 +212,67 @@ def plot(summaries: list[dict], path: Path, env_id: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = {"masked": "tab:blue", "plain": "tab:orange"}
-    for estimator in ESTIMATORS:
+    estimators = list(dict.fromkeys(s["config"]["estimator"] for s in summaries))
+    for color, estimator in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], estimators):
         runs = [s for s in summaries if s["config"]["estimator"] == estimator]
         for i, s in enumerate(runs):
             frames = [p["frames"] for p in s["history"]]
             success = [p["success_rate"] for p in s["history"]]
             label = f"{estimator} GAE ({len(runs)} seeds)" if i == 0 else None
-            ax.plot(frames, success, color=colors[estimator], alpha=0.8, label=label)
+            ax.plot(frames, success, color=color, alpha=0.8, label=label)
     ax.axhline(SUCCESS_THRESHOLD, color="gray", linestyle=":", linewidth=1)
     ax.set_xlabel("environment frames (masked steps included)")
     ax.set_ylabel("greedy success rate")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(f"PPO on {env_id}: masked vs plain GAE")
+    ax.set_title(f"PPO on {env_id}: {' vs '.join(estimators)} GAE")
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    fig.savefig(temporary, dpi=120)
     plt.close(fig)
+    os.replace(temporary, path)
     return path
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="PPO with masked GAE vs TorchRL's plain GAE over several seeds: a table, "
-        "summary.csv, curves.csv and curves.png. Every training option of `train` applies "
-        "to both arms.",
-    )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="seeds, each trained with both estimators (default: 0 1 2)")
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="runs trained in parallel processes (default: 2)")
-    defaults = Config(frames=DEFAULT_FRAMES, output="runs/compare", progress_bar=False)
-    add_config_arguments(parser, defaults, skip=("estimator", "seed"))
-    args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    options = {k: v for k, v in vars(args).items() if k not in ("seeds", "jobs")}
-    if args.jobs > 1 and not options["threads"]:
-        options["threads"] = 1  # one torch thread per run: the runs share the cores
+def run_compare_command(command: CompareCommand) -> int:
+    """Run ``masked-rl compare``; returns the exit status (130 when interrupted)."""
+    base = command.base
     try:
-        base = Config(**options)
+        runs = plan_runs(command)
     except ValueError as err:
-        parser.error(str(err))
-
-    output = Path(base.output)
-    output.mkdir(parents=True, exist_ok=True)
+        print(f"masked-rl compare: error: {err}", file=sys.stderr)
+        return 2
+    reused = sum(run.state == "done" for run in runs)
+    resumed = sum(run.state == "resume" for run in runs)
+    if reused or resumed:
+        print(f"{base.output}: reusing {reused} finished run(s), resuming {resumed}, "
+              f"starting {len(runs) - reused - resumed}")
+    Path(base.output).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    summaries = run_all(base, args.seeds, args.jobs)
+    summaries, interrupted = run_all(runs, command.jobs)
     wall = time.perf_counter() - start
-    summary_path, curves_path = write_csvs(summaries, output)
-    png = plot(summaries, output / "curves.png", base.env)
-    print(f"\nPPO on {base.env}, {base.frames:,} frames per run, gamma={base.gamma}, "
-          f"lmbda={base.lmbda}, seeds {' '.join(map(str, args.seeds))}:\n")
+    if interrupted:
+        finished = sum(s is not None and s["status"] == "completed" for s in summaries)
+        print(f"\ninterrupted: {finished} of {len(runs)} runs finished; re-run the same command "
+              "to resume the others", file=sys.stderr)
+        return 130
+    summary_path, curves_path = write_csvs(summaries, Path(base.output))
+    png = plot(summaries, Path(base.output) / "curves.png", base.env)
+    frames = sorted({s["frames"] for s in summaries})
+    rounded = (f" (--frames {base.frames:,} rounded up to whole batches of "
+               f"{base.frames_per_batch:,})" if frames != [base.frames] else "")
+    print(f"\nPPO on {base.env}, {' / '.join(f'{f:,}' for f in frames)} frames per run{rounded}, "
+          f"gamma={base.gamma}, lmbda={base.lmbda}, seeds {' '.join(map(str, command.seeds))}:\n")
     print(table(summaries))
-    print(f"\nTotal wall time {wall:.0f} s ({args.jobs} parallel jobs). "
+    print(f"\nTotal wall time {wall:.0f} s ({command.jobs} parallel jobs). "
           f"Wrote {summary_path}, {curves_path} and {png}.")
     return 0
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``masked-rl compare``, or this file run as a script."""
+    return run_compare_command(parse_compare_command(argv, prog))
 
 
 if __name__ == "__main__":

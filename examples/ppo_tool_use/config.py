@@ -1,39 +1,67 @@
-"""Configuration of the PPO tool-use recipe: one dataclass, one docstring per field.
+"""Options of the PPO tool-use recipe: the ``Config`` dataclass, the command lines, the checks.
 
-Every field is also a command-line option (``frames`` -> ``--frames``, ``entropy_coeff`` ->
-``--entropy-coeff``), with its docstring as help: see :func:`parse_config`.
+This module imports neither torch nor TorchRL, so ``--help`` and every option error come back
+at once: ``masked-rl train --help`` builds its parser here and imports the training code only
+once the options are known to be good.
+
+- :class:`Config`: one field per training option, each with a docstring.
+- :func:`parse_train_command`, :func:`parse_compare_command`, :func:`parse_eval_command`: the
+  command lines of ``masked-rl train``, ``compare`` and ``eval`` (explicit ``argparse``). Every
+  error is one line, ``<prog>: error: <what>``, exit status 2, printed before anything is
+  created: range errors come from ``Config.__post_init__``, the rest from
+  :func:`check_config` (the environment id, the device, the logger backend, the output folder,
+  rows long enough to hold a trainable step).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import inspect
-from dataclasses import dataclass
+import importlib
+import importlib.util
+import json
+import math
+import tempfile
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+ESTIMATORS = ("masked", "plain")
+"""Values of ``--estimator``: see ``set_value_estimator`` in ``ppo_tool_use.py``."""
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "none")
+"""Values of ``--logger``: TorchRL logger backends (``none``: no logger)."""
+RUNTIME_FIELDS = ("output", "progress_bar", "threads")
+"""Fields that do not change what a run computes (``threads`` only up to floating-point
+summation order): ``compare`` ignores them when it matches an existing run folder."""
+RESUME_OPTIONS = ("progress_bar", "threads")
+"""The only options ``train --resume`` accepts: a resumed run keeps its saved configuration."""
+MAX_SEED = 2**32 - 1
+MAX_LEADING_STEPS = 100_000
 
 
 @dataclass
 class Config:
+    """Every option of one training run (``masked-rl train --help`` lists them as flags)."""
+
     # --- run ---------------------------------------------------------------------------------
     env: str = "MaskedRL/ToolUse-v0"
-    """Gymnasium id of the environment (``MaskedRL/ToolUse-v0`` or ``MaskedRL/ToolUseHard-v0``)."""
+    """Gymnasium id of the environment (any registered id whose observations carry a
+    ``"loss_mask"``: ``MaskedRL/ToolUse-v0``, ``MaskedRL/ToolUseHard-v0``, ...)."""
     estimator: str = "masked"
-    """Advantage estimator: ``masked`` (masked_rl.MaskedGAE) or ``plain`` (TorchRL's GAE)."""
+    """Advantage estimator, one of :data:`ESTIMATORS`: ``masked`` (masked_rl.MaskedGAE) or
+    ``plain`` (TorchRL's GAE, every step a transition)."""
     frames: int = 2_000_000
     """Environment steps to train for, masked steps included (rounded up to whole batches)."""
     seed: int = 0
-    """Seed of torch, the training environments and the evaluation episodes."""
+    """Seed of torch, the training environments and the evaluation episodes, in [0, 2**32)."""
     device: str = "cpu"
     """Device of the networks and the loss (the environments run on the CPU)."""
     output: str = "runs/ppo_tool_use"
-    """Folder for the metrics (CSV), the checkpoint and the final summary."""
-    threads: int = 0
-    """torch intra-op threads (0: torch's default)."""
+    """Parent folder of the run folder ``<estimator>-seed<seed>`` (metrics, checkpoint, summary)."""
+    threads: int | None = None
+    """torch intra-op threads, >= 1 (None: torch's default)."""
     progress_bar: bool = True
     """Show a tqdm progress bar over frames."""
     logger: str = "csv"
-    """TorchRL logger backend: ``csv``, ``tensorboard``, ``wandb``, ``mlflow`` or ``none``."""
+    """TorchRL logger backend, one of :data:`LOGGERS`."""
 
     # --- collection ----------------------------------------------------------------------------
     num_envs: int = 128
@@ -47,23 +75,23 @@ class Config:
 
     # --- PPO -----------------------------------------------------------------------------------
     gamma: float = 0.99
-    """Discount factor (TorchRL's default)."""
+    """Discount factor, in [0, 1] (TorchRL's default)."""
     lmbda: float = 0.95
-    """GAE trace decay (TorchRL's default)."""
+    """GAE trace decay, in [0, 1] (TorchRL's default)."""
     epochs: int = 8
     """Passes over each batch's trainable steps (advantages are estimated once per batch)."""
     minibatch_size: int = 256
     """Trainable steps per gradient step (masked steps never enter the replay buffer)."""
     lr: float = 2e-3
-    """Adam learning rate."""
+    """Adam learning rate, > 0."""
     max_grad_norm: float = 0.5
-    """Gradient-norm clipping threshold."""
+    """Gradient-norm clipping threshold, > 0."""
     clip_epsilon: float = 0.2
-    """PPO ratio clipping."""
+    """PPO ratio clipping, >= 0."""
     entropy_coeff: float = 0.01
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus, >= 0."""
     critic_coeff: float = 0.5
-    """Weight of the critic (squared error) loss."""
+    """Weight of the critic (squared error) loss, >= 0."""
     normalize_advantage: bool = True
     """Standardise advantages per minibatch (statistics over trainable steps only)."""
     bootstrap_truncated: bool = False
@@ -87,13 +115,28 @@ class Config:
     """Greedy episodes per evaluation (the same seeded tasks every time)."""
 
     def __post_init__(self):
-        if self.estimator not in ("masked", "plain"):
-            raise ValueError(f"estimator must be 'masked' or 'plain', got {self.estimator!r}")
+        """Range checks that need nothing but the values (see :func:`check_config` for the rest)."""
+        _require_choice("estimator", self.estimator, ESTIMATORS)
+        _require_choice("logger", self.logger, LOGGERS)
+        for name in ("env", "device", "output"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
         for name in ("frames", "num_envs", "workers", "frames_per_batch", "epochs",
                      "minibatch_size", "eval_episodes", "eval_every", "embed_dim", "hidden",
                      "layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            _require_int(name, getattr(self, name), 1)
+        _require_int("seed", self.seed, 0, MAX_SEED)
+        if self.threads is not None:
+            _require_int("threads", self.threads, 1)
+        for name in ("lr", "max_grad_norm"):
+            _require_float(name, getattr(self, name), 0.0, math.inf, low_open=True)
+        for name in ("clip_epsilon", "entropy_coeff", "critic_coeff"):
+            _require_float(name, getattr(self, name), 0.0, math.inf)
+        for name in ("gamma", "lmbda"):
+            _require_float(name, getattr(self, name), 0.0, 1.0)
+        for name in ("progress_bar", "normalize_advantage", "bootstrap_truncated", "shared"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_envs % self.workers:
             raise ValueError(
                 f"num_envs ({self.num_envs}) must be a multiple of workers ({self.workers})"
@@ -104,47 +147,414 @@ class Config:
                 f"({self.num_envs})"
             )
 
+    @property
+    def total_frames(self) -> int:
+        """``frames`` rounded up to whole batches: what a run actually trains for."""
+        return -(-self.frames // self.frames_per_batch) * self.frames_per_batch
 
-def field_docs(cls: type = Config) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source."""
-    tree = ast.parse(inspect.getsource(cls))
-    docs, previous = {}, None
-    for node in tree.body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            previous = node.target.id
-        elif previous and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            docs[previous] = inspect.cleandoc(node.value.value)
-            previous = None
+    @property
+    def steps_per_row(self) -> int:
+        """Length ``T`` of a collected row: ``frames_per_batch / num_envs``."""
+        return self.frames_per_batch // self.num_envs
+
+    def run_dir(self) -> Path:
+        """The run folder of a fresh run: ``<output>/<estimator>-seed<seed>``."""
+        return Path(self.output) / f"{self.estimator}-seed{self.seed}"
+
+
+def _require_choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _require_int(name, value, low, high=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
+
+
+def _require_float(name, value, low, high, low_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if low_open else value < low
+    if not math.isfinite(value) or too_low or value > high:
+        if high == math.inf:
+            expected = f"a finite number {'>' if low_open else '>='} {low:g}"
         else:
-            previous = None
-    return docs
+            expected = f"in [{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, defaults: Config, skip=()) -> None:
-    """One ``--option`` per field of ``Config``, with its docstring as help."""
-    docs = field_docs()
-    for field in dataclasses.fields(Config):
+# --- checks that look outside the values ------------------------------------------------------
+
+
+def leading_environment_steps(env_id: str) -> int:
+    """Steps an episode of ``env_id`` takes before its first trainable step (the prompt).
+
+    Plays one episode from ``reset(seed=0)`` until its observation's ``"loss_mask"`` is 1;
+    actions on masked steps are ignored by the environment, so any action will do.
+    """
+    import gymnasium as gym
+    import numpy as np
+
+    env = gym.make(env_id)
+    try:
+        obs, _ = env.reset(seed=0)
+        if not isinstance(obs, dict) or "loss_mask" not in obs:
+            raise ValueError(
+                f"env {env_id!r} must have dict observations with a 'loss_mask' entry, "
+                f"got {type(obs).__name__} observations"
+            )
+        for steps in range(MAX_LEADING_STEPS):
+            if int(np.asarray(obs["loss_mask"]).reshape(-1)[0]):
+                return steps
+            obs, _, terminated, truncated, _ = env.step(0)
+            if terminated or truncated:
+                raise ValueError(f"env {env_id!r} ended an episode without a trainable step")
+        raise ValueError(f"env {env_id!r} has no trainable step in its first "
+                         f"{MAX_LEADING_STEPS} steps")
+    finally:
+        env.close()
+
+
+def check_config(cfg: Config, run_dir: Path | None = None) -> None:
+    """Everything about ``cfg`` that its values alone cannot tell; raises ``ValueError``.
+
+    The environment id is registered and its rows of ``cfg.steps_per_row`` steps can hold a
+    trainable step; the device exists; the logger backend is installed; the run folder
+    (``run_dir``, default ``cfg.run_dir()``) can be created or written. Creates nothing.
+    """
+    import gymnasium as gym
+
+    import masked_rl_envs  # noqa: F401  (registers the MaskedRL ids)
+
+    module, _, env_id = cfg.env.rpartition(":")  # gymnasium's "module:Namespace/Name-v0"
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ValueError(f"env: cannot import {module!r} for {cfg.env!r}: {err}") from None
+    if env_id not in gym.registry:
+        known = ", ".join(sorted(i for i in gym.registry if i.startswith("MaskedRL/")))
+        raise ValueError(f"env: unknown environment id {cfg.env!r} (registered: {known})")
+    leading = leading_environment_steps(cfg.env)
+    if cfg.steps_per_row <= leading:
+        raise ValueError(
+            f"rows of frames_per_batch / num_envs = {cfg.frames_per_batch} / {cfg.num_envs} = "
+            f"{cfg.steps_per_row} steps cannot hold a trainable step: every episode of "
+            f"{cfg.env} starts with {leading} environment-written steps; use frames_per_batch "
+            f">= {(leading + 1) * cfg.num_envs}"
+        )
+    check_device(cfg.device)
+    if cfg.logger not in ("csv", "none"):
+        if importlib.util.find_spec(cfg.logger) is None:
+            raise ValueError(f"logger: {cfg.logger!r} needs the {cfg.logger} package installed")
+    check_writable_folder("output", run_dir if run_dir is not None else cfg.run_dir())
+
+
+def check_device(device: str) -> None:
+    """``device`` names a device torch can use here (``cpu``, ``cuda``, ``cuda:N``, ``mps``)."""
+    if device == "cpu":  # no need to import torch for the common case
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device: expected cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} asked for, but CUDA is not available here")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device: {device!r} asked for, but there are {torch.cuda.device_count()} "
+                "CUDA devices"
+            )
+    elif parsed.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device: {device!r} asked for, but MPS is not available here")
+    elif parsed.type != "cpu":
+        raise ValueError(f"device: expected cpu, cuda or cuda:N, got {device!r}")
+
+
+def check_writable_folder(name: str, folder: Path) -> None:
+    """``folder`` is a writable folder, or can be created as one; leaves nothing behind."""
+    folder = Path(folder).absolute()
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(
+            f"{name}: {str(existing)!r} is a file, cannot hold the folder {str(folder)!r}")
+    try:  # a real write: os.access says yes to root on read-only file systems
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ValueError(f"{name}: cannot write to {str(existing)!r} ({err.strerror})") from None
+
+
+# --- command lines ----------------------------------------------------------------------------
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``<prog>: error: <message>`` (exit 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_options(parser: argparse.ArgumentParser, defaults: Config, skip=()) -> None:
+    """One option per :class:`Config` field (``entropy_coeff`` -> ``--entropy-coeff``).
+
+    Options are not given defaults here: :func:`config_from_options` overlays the options
+    that were given onto ``defaults``, so a command also knows which ones the user set.
+    """
+    s = argparse.SUPPRESS
+    helps = {
+        "env": "Gymnasium id of the environment",
+        "estimator": "advantage estimator",
+        "frames": "environment steps to train for, masked steps included (rounded up to "
+                  "whole batches)",
+        "seed": "seed of torch, the training environments and the evaluation episodes",
+        "device": "device of the networks and the loss: cpu, cuda, cuda:N",
+        "output": "parent folder of the run folder <estimator>-seed<seed>",
+        "threads": "torch intra-op threads, >= 1 (default: torch's choice)",
+        "progress_bar": "show a progress bar over frames",
+        "logger": "TorchRL logger backend",
+        "num_envs": "environments stepped together",
+        "workers": "collector processes (TorchRL MultiSyncCollector above 1)",
+        "frames_per_batch": "environment steps per batch: num_envs rows of "
+                            "frames_per_batch / num_envs steps",
+        "gamma": "discount factor, in [0, 1]",
+        "lmbda": "GAE trace decay, in [0, 1]",
+        "epochs": "passes over each batch's trainable steps",
+        "minibatch_size": "trainable steps per gradient step",
+        "lr": "Adam learning rate, > 0",
+        "max_grad_norm": "gradient-norm clipping threshold, > 0",
+        "clip_epsilon": "PPO ratio clipping, >= 0",
+        "entropy_coeff": "weight of the entropy bonus, >= 0",
+        "critic_coeff": "weight of the critic loss, >= 0",
+        "normalize_advantage": "standardise advantages per minibatch (trainable steps only)",
+        "bootstrap_truncated": "bootstrap from the critic when an episode runs out of steps",
+        "embed_dim": "token embedding size",
+        "hidden": "hidden units per encoder layer",
+        "layers": "hidden layers of the encoder",
+        "shared": "one encoder for the policy and the critic",
+        "eval_every": "frames between greedy evaluations and checkpoints",
+        "eval_episodes": "greedy episodes per evaluation",
+    }
+    choices = {"estimator": ESTIMATORS, "logger": LOGGERS}
+    for field in fields(Config):
         if field.name in skip:
             continue
         default = getattr(defaults, field.name)
-        flag = "--" + field.name.replace("_", "-")
-        help_text = f"{docs.get(field.name, '')} (default: {default})"
+        help_text = f"{helps[field.name]} (default: {default})"
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction,
+                                default=s, help=help_text)
+        elif field.name in choices:
+            parser.add_argument(_flag(field.name), choices=choices[field.name], default=s,
                                 help=help_text)
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=help_text,
+            kind = int if field.name == "threads" else type(default)
+            parser.add_argument(_flag(field.name), type=kind, default=s, help=help_text,
                                 metavar=field.name.upper())
 
 
-def parse_config(argv: list[str] | None = None, *, prog: str | None = None) -> Config:
-    """A ``Config`` from command-line options (``--frames 200000 --estimator plain``)."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description="PPO with masked GAE on a toy tool-use environment (TorchRL)."
-    )
-    add_config_arguments(parser, Config())
-    args = parser.parse_args(argv)
+def config_from_options(parser, defaults: Config, given: dict) -> Config:
+    """``defaults`` with the given options set; a bad value is a one-line parser error."""
     try:
-        return Config(**vars(args))
+        return replace(defaults, **given)
     except ValueError as err:
         parser.error(str(err))
+
+
+@dataclass
+class TrainCommand:
+    """What ``masked-rl train`` was asked: a fresh run, or the continuation of ``run_dir``."""
+
+    config: Config
+    run_dir: Path
+    resume: bool
+
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+SUMMARY_FILE = "summary.json"
+
+
+def changed_options(saved: Config, cfg: Config) -> list[str]:
+    """The fields in which ``cfg`` differs from ``saved``, ``RUNTIME_FIELDS`` aside."""
+    return [f.name for f in fields(Config)
+            if f.name not in RUNTIME_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)]
+
+
+def read_run_config(run_dir: Path) -> Config:
+    """The :class:`Config` a run folder was started with (its ``config.json``)."""
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        return Config(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no {CONFIG_FILE}") from None
+    except (TypeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{str(path)!r} does not hold a run configuration: {err}") from None
+
+
+def train_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = _OneLineErrors(
+        prog=prog,
+        description="PPO with masked GAE on a toy tool-use environment (TorchRL). The first "
+        "Ctrl-C stops at the end of the current batch, writes a checkpoint and a summary marked "
+        "interrupted, and exits with status 130; --resume RUN_DIR continues such a run.",
+    )
+    parser.add_argument("--resume", metavar="RUN_DIR", type=Path, default=argparse.SUPPRESS,
+                        help="continue the run in RUN_DIR from its last checkpoint, with its saved "
+                        f"options (only {', '.join(map(_flag, RESUME_OPTIONS))} may be given)")
+    add_config_options(parser, Config())
+    return parser
+
+
+def parse_train_command(argv: list[str] | None = None, prog: str | None = None) -> TrainCommand:
+    """The options of ``masked-rl train``, checked (one-line error and exit 2 otherwise)."""
+    parser = train_parser(prog)
+    given = vars(parser.parse_args(argv))
+    resume = given.pop("resume", None)
+    if resume is None:
+        cfg = config_from_options(parser, Config(), given)
+        run_dir = cfg.run_dir()
+    else:
+        not_allowed = sorted(set(given) - set(RESUME_OPTIONS))
+        if not_allowed:
+            parser.error(f"--resume continues a run with its saved options; "
+                         f"{', '.join(map(_flag, not_allowed))} cannot be changed")
+        run_dir = resume
+        if not (run_dir / CHECKPOINT_FILE).is_file():
+            parser.error(f"--resume: {str(run_dir)!r} holds no {CHECKPOINT_FILE}")
+        try:
+            saved = read_run_config(run_dir)
+        except ValueError as err:
+            parser.error(f"--resume: {err}")
+        cfg = config_from_options(parser, saved, given)
+    try:
+        check_config(cfg, run_dir)
+    except ValueError as err:
+        parser.error(str(err))
+    return TrainCommand(cfg, Path(run_dir), resume is not None)
+
+
+DEFAULT_COMPARE_FRAMES = 1_400_000
+"""Frames per run of ``masked-rl compare`` (6 runs on 2 cores in under 15 minutes)."""
+
+
+@dataclass
+class CompareCommand:
+    """What ``masked-rl compare`` was asked: one run per (estimator, seed) from ``base``."""
+
+    base: Config
+    seeds: list[int]
+    jobs: int
+    estimators: tuple[str, ...] = ESTIMATORS
+
+
+def compare_defaults() -> Config:
+    return Config(frames=DEFAULT_COMPARE_FRAMES, output="runs/compare", progress_bar=False)
+
+
+def parse_compare_command(argv: list[str] | None = None, prog: str | None = None) -> CompareCommand:
+    """The options of ``masked-rl compare``, checked (one-line error and exit 2 otherwise)."""
+    parser = _OneLineErrors(
+        prog=prog,
+        description="PPO with masked GAE vs TorchRL's plain GAE over several seeds: a table, "
+        "summary.csv, curves.csv and curves.png. Every training option of `train` applies to "
+        "both arms. Re-running the same command skips the finished runs and resumes the "
+        "interrupted ones (Ctrl-C stops every run at the end of its batch, exit status 130).",
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="distinct seeds, each trained with every estimator (default: 0 1 2)")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="runs trained in parallel processes (default: 2)")
+    defaults = compare_defaults()
+    add_config_options(parser, defaults, skip=("estimator", "seed"))
+    args = vars(parser.parse_args(argv))
+    seeds, jobs = args.pop("seeds"), args.pop("jobs")
+    if jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {jobs}")
+    if len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds must be distinct (each seed is one run folder), got "
+                     f"{' '.join(map(str, seeds))}")
+    if jobs > 1 and "threads" not in args:
+        args["threads"] = 1  # one torch thread per run: the runs share the cores
+    base = config_from_options(parser, defaults, args)
+    for seed in seeds:
+        config_from_options(parser, base, {"seed": seed})
+    try:
+        # Everything but the seed and the estimator is shared by the runs.
+        check_config(base, run_dir=Path(base.output))
+    except ValueError as err:
+        parser.error(str(err))
+    return CompareCommand(base, list(seeds), jobs)
+
+
+@dataclass
+class EvalCommand:
+    """What ``masked-rl eval`` was asked: ``state`` is the loaded checkpoint."""
+
+    checkpoint: Path
+    state: dict
+    config: Config
+    episodes: int
+    seed: int | None
+    render: bool
+    device: str
+
+
+def parse_eval_command(argv: list[str] | None = None, prog: str | None = None) -> EvalCommand:
+    """The options of ``masked-rl eval``, checked (one-line error and exit 2 otherwise)."""
+    parser = _OneLineErrors(
+        prog=prog,
+        description="Greedy success rate of a trained policy over N seeded episodes; --render "
+        "also prints the transcript of one greedy episode.",
+    )
+    parser.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT", type=Path,
+                        help=f"a run folder (its {CHECKPOINT_FILE}) or a checkpoint file")
+    parser.add_argument("--episodes", type=int, default=None,
+                        help="greedy episodes (default: the run's --eval-episodes)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the episodes (default: the seed of the run's own "
+                        "evaluations, so the last checkpoint reproduces its last "
+                        "eval/success_rate)")
+    parser.add_argument("--render", action="store_true",
+                        help="print the transcript of one greedy episode (seeded with --seed)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the run's)")
+    args = parser.parse_args(argv)
+    path = args.path
+    checkpoint = path / CHECKPOINT_FILE if path.is_dir() else path
+    if not checkpoint.is_file():
+        parser.error(f"{str(path)!r} is neither a run folder with a {CHECKPOINT_FILE} nor a "
+                     "checkpoint file")
+    import torch  # only now: --help and the checks above answer without it
+
+    try:
+        # weights_only: tensors and plain containers, nothing that runs code when loaded.
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        cfg = Config(**state["config"])
+    except Exception as err:  # noqa: BLE001  (any unreadable file is the same user error)
+        parser.error(f"{str(checkpoint)!r} is not a checkpoint of this recipe: "
+                     f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    if args.episodes is not None and args.episodes < 1:
+        parser.error(f"--episodes must be >= 1, got {args.episodes}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        parser.error(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    device = args.device or cfg.device
+    try:
+        check_device(device)
+    except ValueError as err:
+        parser.error(str(err))
+    return EvalCommand(checkpoint, state, cfg, args.episodes or cfg.eval_episodes, args.seed,
+                       args.render, device)

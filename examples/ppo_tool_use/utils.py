@@ -1,12 +1,23 @@
-"""Environment, networks and evaluation of the PPO tool-use recipe."""
+"""Pieces of the PPO tool-use recipe: environments, networks, statistics, evaluation, and what
+makes a run safe to stop and resume (interruption, atomic files, checkpointed state)."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import random
+import signal
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
 import gymnasium as gym
+import numpy as np
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModule
 from torch import nn
+from torchrl.collectors import Collector
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import ActorValueOperator, ProbabilisticActor, ValueOperator
@@ -163,3 +174,183 @@ def evaluate(actor, env: EnvBase, *, seed: int, max_steps: int) -> dict[str, flo
         "episode_return": episode_return.mean().item(),
         "episode_length": (first_end + 1).float().mean().item(),
     }
+
+
+def greedy_transcript(actor, env_id: str, *, seed: int, max_steps: int, device="cpu") -> str:
+    """The rendered transcript of one greedy episode of ``env_id``.
+
+    Seeded like :func:`evaluate`, so it is the first of the episodes that ``evaluate`` plays
+    with the same ``seed``.
+    """
+    env = make_torchrl_env(env_id, num_envs=1, device=device, render_mode="ansi")
+    try:
+        env.set_seed(seed)
+        with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+            env.rollout(max_steps, actor)  # stops at the end of the episode
+        return env.render()
+    finally:
+        env.close()
+
+
+def cut_statistics(batch: TensorDictBase) -> dict[str, float]:
+    """How much of a batch's advantage estimation leans on the critic at the batch's cuts.
+
+    ``batch`` is ``[*B, T]`` (rows of ``T`` steps) with ``("next", "done")``,
+    ``("next", "terminated")`` and ``("next", "loss_mask")``. An episode of the batch is a
+    stretch of a row between done flags (the fragments at either end of a row included); it is
+    *cut* when the row ends before it does. Where an episode's advantages need the value of the
+    observation after its last step (a *bootstrap read*: at a cut, and at a truncation,
+    ``done`` without ``terminated``; the recipe turns truncations into terminations unless
+    ``--bootstrap-truncated``), the read is *masked* when that observation has ``loss_mask``
+    0: the agent does not act there, so a critic trained on trainable steps only never learned
+    its value. (A truncated episode's final observation always has ``loss_mask`` 0.)
+
+    Returns ``episodes_cut_share`` (cut episodes / episodes) and, when the batch has bootstrap
+    reads, ``bootstrap_masked_share`` (masked reads / reads).
+    """
+    done = batch["next", "done"].squeeze(-1).bool()
+    terminated = batch["next", "terminated"].squeeze(-1).bool()
+    next_masked = batch["next", "loss_mask"].squeeze(-1) == 0
+    cut = torch.zeros_like(done)
+    cut[..., -1] = ~done[..., -1]
+    reads = cut | (done & ~terminated)
+    stats = {"episodes_cut_share": (cut.sum() / (done.sum() + cut.sum())).item()}
+    if reads.any():
+        stats["bootstrap_masked_share"] = ((reads & next_masked).sum() / reads.sum()).item()
+    return stats
+
+
+# --- stopping and resuming ----------------------------------------------------------------------
+
+
+class StopOnInterrupt:
+    """Within a ``with`` block, SIGINT (Ctrl-C) sets ``requested`` instead of raising.
+
+    The training loop reads ``requested`` between batches, so a run stops at a consistent
+    point (a finished update) and can checkpoint it. Every further SIGINT only sets it again:
+    the stop is bounded by one batch. Outside the main thread (where Python does not deliver
+    signals) the block changes nothing.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._installed = False
+
+    def _request(self, signum, frame):
+        self.requested = True
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._request)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc_info):
+        if self._installed:
+            # None: a handler not installed from Python; the closest is Python's default.
+            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+            self._installed = False
+
+
+@contextmanager
+def sigint_ignored():
+    """SIGINT ignored while the block runs, and by every process started inside it.
+
+    A Ctrl-C in a terminal goes to the whole process group: collector workers would die
+    mid-batch (and the main process then wait for them forever). A process spawned while SIGINT
+    is ignored inherits that, and Python keeps an inherited ignored SIGINT ignored, so such
+    workers leave the stop to the main process, which shuts them down.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous or signal.default_int_handler)
+
+
+def _replace_atomically(path: Path, write) -> None:
+    """``write(file)`` into a temporary file beside ``path``, then rename it onto ``path``.
+
+    A crash or a kill at any point leaves either the old file or the new one, never a part.
+    """
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def save_atomically(obj, path: Path) -> None:
+    """``torch.save(obj, path)`` that never leaves a partly written ``path``."""
+    _replace_atomically(path, lambda f: torch.save(obj, f))
+
+
+def write_text_atomically(text: str, path: Path) -> None:
+    """``path.write_text(text)`` that never leaves a partly written ``path``."""
+    _replace_atomically(path, lambda f: f.write(text.encode()))
+
+
+def host_random_state() -> bytes:
+    """The state of NumPy's and Python's global generators, pickled (torch's is a tensor)."""
+    return pickle.dumps({"numpy": np.random.get_state(), "python": random.getstate()})
+
+
+def set_host_random_state(state: bytes) -> None:
+    states = pickle.loads(state)
+    np.random.set_state(states["numpy"])
+    random.setstate(states["python"])
+
+
+def collector_snapshot(collector) -> dict | None:
+    """What a single-process ``Collector`` over :func:`make_env` needs to carry on exactly.
+
+    The state of every gymnasium environment (mid-episode: transcript, block, random generator)
+    and the collector's current observation, which TorchRL keeps in its private ``_carrier``:
+    TorchRL 0.14 has no public way to restore a collector mid-episode (its ``load_state_dict``
+    starts fresh episodes). ``None`` for a multi-process collector, whose environments live
+    in its workers.
+    """
+    if not isinstance(collector, Collector):
+        return None
+    environments = collector.env.unwrapped.get_attr("unwrapped")
+    return {
+        "environments": pickle.dumps([vars(env) for env in environments]),
+        "carrier": collector._carrier.to_dict(),
+    }
+
+
+def restore_collector(collector, snapshot: dict) -> None:
+    """Undo :func:`collector_snapshot` on a newly built collector over the same environments."""
+    environments = collector.env.unwrapped.get_attr("unwrapped")
+    states = pickle.loads(snapshot["environments"])
+    if len(states) != len(environments):
+        raise ValueError(f"the snapshot holds {len(states)} environments, the collector "
+                         f"{len(environments)}")
+    for env, state in zip(environments, states):
+        env.__dict__.update(state)
+    carrier = collector._carrier
+    carrier.update(TensorDict(snapshot["carrier"], batch_size=carrier.batch_size,
+                              device=carrier.device))
+
+
+def truncate_csv_scalars(log_dir: Path, last_step: int) -> None:
+    """Drop the rows logged after ``last_step`` from a TorchRL ``CSVLogger`` folder.
+
+    A resumed run logs again what its previous process logged after the checkpoint.
+    """
+    for path in sorted((Path(log_dir) / "scalars").rglob("*.csv")):
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if int(line.split(",", 1)[0]) <= last_step]
+        if len(kept) < len(lines):
+            write_text_atomically("".join(kept), path)

@@ -6,6 +6,7 @@ import sys
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 from gymnasium.utils.env_checker import check_env
 
 import masked_rl_envs
@@ -437,6 +438,40 @@ def test_bad_agent_action_raises_value_error():
         env.step(999)  # masked: ignored, whatever it is
     with pytest.raises(ValueError, match=r"action must be in \[0, 17\), got 17"):
         env.step(17)
+
+
+@pytest.mark.parametrize("action", [10.9, 3.0, "3", b"3", True, np.bool_(True), np.float32(3),
+                                    np.array([1, 2]), None, 2**70])
+def test_agent_action_must_be_one_integer(action):
+    env = ToolUseEnv()
+    env.reset(seed=0)
+    for _ in range(3):
+        env.step(0)
+    with pytest.raises(ValueError, match=r"action must be one integer in \[0, 17\), got "):
+        env.step(action)
+
+
+@pytest.mark.parametrize("action", [11, np.int64(11), np.uint8(11), np.array(11),
+                                    np.array([11]), torch.tensor(11)])
+def test_agent_action_accepts_python_numpy_and_torch_integers(action):
+    env = ToolUseEnv()
+    env.reset(seed=0)
+    for _ in range(3):
+        env.step(0)
+    env.step(action)
+    assert env.transcript().split()[-1].startswith("k")  # token 11 is key k1: a lookup
+
+
+def test_use_before_reset_says_so():
+    env = ToolUseEnv()
+    with pytest.raises(RuntimeError, match=r"step\(\) called before reset\(\)"):
+        env.step(0)
+    with pytest.raises(RuntimeError, match=r"table called before reset\(\)"):
+        env.table
+    with pytest.raises(RuntimeError, match=r"queries called before reset\(\)"):
+        env.queries
+    env.reset(seed=0)
+    assert env.table.shape == (4,)
 
 
 # -- vector environments -----------------------------------------------------------------------

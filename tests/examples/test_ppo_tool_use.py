@@ -1,21 +1,24 @@
-"""The PPO tool-use recipe: its pieces, a seeded learning run, and smoke runs of every command."""
+"""The PPO tool-use recipe: its pieces, a seeded learning run, interruption and resume, and
+smoke runs of every command."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
-from dataclasses import fields
+import time
 from pathlib import Path
 
 import gymnasium
 import pytest
 import torch
 
-from masked_rl_examples.ppo_tool_use.config import Config, field_docs, parse_config
-from masked_rl_examples.ppo_tool_use.ppo_tool_use import train
+from masked_rl_examples.ppo_tool_use import compare
+from masked_rl_examples.ppo_tool_use import ppo_tool_use as recipe
+from masked_rl_examples.ppo_tool_use.config import Config, parse_eval_command
 from masked_rl_examples.ppo_tool_use.utils import (
     TokenWindowEncoder,
     evaluate,
@@ -26,36 +29,15 @@ from masked_rl_examples.ppo_tool_use.utils import (
 
 REPO = Path(__file__).resolve().parents[2]
 ENV_ID = "MaskedRL/ToolUse-v0"
-# A tiny budget: a few batches of 16 environments, evaluation on 8 episodes.
+# A tiny budget: a few batches of 8 environments, evaluation on 8 episodes.
 TINY = ["--frames", "1024", "--num-envs", "8", "--frames-per-batch", "512",
         "--minibatch-size", "64", "--epochs", "1", "--eval-every", "512", "--eval-episodes", "8",
         "--no-progress-bar", "--threads", "1"]
+TINY_CONFIG = dict(frames=1024, num_envs=8, frames_per_batch=512, minibatch_size=64, epochs=1,
+                   eval_every=512, eval_episodes=8, progress_bar=False, threads=1)
 
 
 # --- pieces ---------------------------------------------------------------------------------
-
-
-def test_every_config_field_has_a_docstring():
-    docs = field_docs()
-    assert {f.name for f in fields(Config)} == set(docs)
-    assert all(docs.values())
-
-
-def test_every_config_field_is_an_option():
-    cfg = parse_config(["--frames", "123", "--estimator", "plain", "--no-normalize-advantage",
-                        "--entropy-coeff", "0.5"])
-    assert (cfg.frames, cfg.estimator, cfg.normalize_advantage, cfg.entropy_coeff) == (
-        123, "plain", False, 0.5)
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [({"estimator": "gae"}, "estimator"), ({"num_envs": 6, "workers": 4}, "multiple of workers"),
-     ({"frames_per_batch": 100}, "multiple of num_envs"), ({"epochs": 0}, "epochs")],
-)
-def test_config_rejects_bad_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        Config(**kwargs)
 
 
 def test_token_window_encoder_shapes():
@@ -104,52 +86,263 @@ def test_seeded_training_beats_a_random_policy(tmp_path):
     cfg = Config(env=TINY_ID, frames=98_304, seed=0, output=str(tmp_path), progress_bar=False,
                  threads=1, num_envs=32, frames_per_batch=2048, eval_every=8192,
                  eval_episodes=64)
-    summary = train(cfg)
+    summary = recipe.train(cfg)
     history = [round(h["success_rate"], 2) for h in summary["history"]]
     assert history[0] < 0.5, history
     assert summary["final_success_rate"] >= 0.9, history
 
 
+
+# --- interruption and resume ----------------------------------------------------------------
+
+# Eight batches, an evaluation and a checkpoint every two.
+RESUME_CONFIG = dict(TINY_CONFIG, frames=4096, epochs=2, eval_every=1024)
+
+
+def at_batch(monkeypatch, number: int, action) -> None:
+    """Run ``action()`` while the recipe processes its ``number``-th batch (1-based)."""
+    original = recipe.end_truncated_episodes
+    batches = []
+
+    def end_truncated_episodes_then_act(batch):
+        original(batch)
+        batches.append(batch)
+        if len(batches) == number:
+            action()
+
+    monkeypatch.setattr(recipe, "end_truncated_episodes", end_truncated_episodes_then_act)
+
+
+def send_sigint():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def run_record(run_dir: Path) -> dict:
+    """What must not depend on interruptions: final weights, optimizer, history, logs."""
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    logs = {str(p.relative_to(run_dir)): p.read_text()
+            for p in sorted((run_dir / "scalars").rglob("*.csv")) if "time" not in p.parts}
+    return {
+        "actor": checkpoint["actor"], "critic": checkpoint["critic"],
+        "optimizer_state": checkpoint["optimizer"]["state"],
+        "history": [(h["frames"], h["success_rate"]) for h in summary["history"]],
+        "summary": {k: summary[k] for k in ("status", "frames", "batches", "skipped_updates",
+                                            "final_success_rate")},
+        "logs": logs,
+    }
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    for part in ("actor", "critic"):
+        assert a[part].keys() == b[part].keys()
+        for name in a[part]:
+            assert torch.equal(a[part][name], b[part][name]), (part, name)
+    for index, state in a["optimizer_state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["optimizer_state"][index][name]), (index, name)
+    assert a["history"] == b["history"] and a["summary"] == b["summary"]
+    assert a["logs"] == b["logs"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    output = tmp_path_factory.mktemp("uninterrupted")
+    summary = recipe.train(Config(**RESUME_CONFIG, output=str(output)))
+    assert summary["status"] == "completed" and summary["frames"] == 4096
+    return run_record(Path(summary["run_dir"]))
+
+
+def test_interrupted_then_resumed_run_is_bit_identical(tmp_path, monkeypatch, uninterrupted):
+    cfg = Config(**RESUME_CONFIG, output=str(tmp_path))
+    at_batch(monkeypatch, 3, send_sigint)  # between two evaluations: a checkpoint of its own
+    stopped = recipe.train(cfg)
+    assert (stopped["status"], stopped["frames"], stopped["total_frames"]) == (
+        "interrupted", 1536, 4096)
+    run_dir = cfg.run_dir()
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert torch.load(run_dir / "checkpoint.pt", weights_only=True)["progress"]["frames"] == 1536
+    monkeypatch.undo()
+    resumed = recipe.train(cfg, resume=True)
+    assert resumed["status"] == "completed"
+    assert_same_run(run_record(run_dir), uninterrupted)
+
+
+def test_crash_while_checkpointing_keeps_the_last_checkpoint_and_resume_goes_on_from_it(
+        tmp_path, monkeypatch, uninterrupted):
+    """A failure inside ``torch.save`` (as a kill would leave it) cannot corrupt the checkpoint;
+    the resumed run drops the log lines written after it and ends as if nothing happened."""
+    cfg = Config(**RESUME_CONFIG, output=str(tmp_path))
+    run_dir = cfg.run_dir()
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text('{"status": "completed"}')  # an earlier run's
+    real_save = torch.save
+    saves = []
+
+    def save_then_die_on_the_fourth(obj, f):  # checkpoints at 0, 1024, 2048, 3072 frames
+        saves.append(obj["progress"]["frames"])
+        if len(saves) == 4:
+            f.write(b"the first bytes of a checkpoint")
+            raise OSError("killed while writing")
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", save_then_die_on_the_fourth)
+    with pytest.raises(OSError, match="killed while writing"):
+        recipe.train(cfg)
+    monkeypatch.undo()
+    assert saves == [0, 1024, 2048, 3072]
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert checkpoint["progress"]["frames"] == 2048
+    assert sorted(p.name for p in run_dir.iterdir() if p.is_file()) == [
+        "checkpoint.pt", "config.json"]  # no temporary file, no stale summary
+    loss_log = (run_dir / "scalars" / "train" / "loss_objective.csv").read_text()
+    assert loss_log.splitlines()[-1].startswith("3072,")
+    recipe.train(cfg, resume=True)
+    assert_same_run(run_record(run_dir), uninterrupted)
+
+
+def test_a_batch_without_trainable_steps_skips_its_update(tmp_path, monkeypatch):
+    original = recipe.training_steps
+    calls = []
+
+    def nothing_trainable_in_the_first_batch(batch):
+        calls.append(batch)
+        steps = original(batch)
+        return steps[:0] if len(calls) == 1 else steps
+
+    monkeypatch.setattr(recipe, "training_steps", nothing_trainable_in_the_first_batch)
+    summary = recipe.train(Config(**TINY_CONFIG, output=str(tmp_path)))
+    assert (summary["status"], summary["batches"], summary["skipped_updates"]) == (
+        "completed", 2, 1)
+    scalars = Path(summary["run_dir"]) / "scalars" / "train"
+    assert (scalars / "update_skipped.csv").read_text() == "512,1.0\n1024,0.0\n"
+
+    def read(name):
+        return [line.split(",") for line in (scalars / f"{name}.csv").read_text().split()]
+
+    assert [step for step, _ in read("loss_objective")] == ["1024"]
+    for name in ("episodes_cut_share", "bootstrap_masked_share"):
+        values = [float(value) for _, value in read(name)]
+        assert len(values) == 2 and all(0 <= v <= 1 for v in values), name
+
+
 # --- commands -------------------------------------------------------------------------------
 
 
-def run(args, cwd):
+def run(args, cwd, expect=0, timeout=300):
     env = {**os.environ, "RL_WARNINGS": "False"}
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == expect, result.stdout + result.stderr
     return result.stdout
 
 
-def check_run_folder(run_dir: Path):
+def check_run_folder(run_dir: Path, status="completed", min_frames=1024):
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["frames"] >= 1024 and 0 <= summary["final_success_rate"] <= 1
-    assert (run_dir / "checkpoint.pt").is_file()
+    assert summary["status"] == status
+    assert summary["frames"] >= min_frames and 0 <= summary["final_success_rate"] <= 1
     for name in ("eval/success_rate", "train/loss_objective", "train/clip_fraction",
-                 "time/fps"):
+                 "train/episodes_cut_share", "train/bootstrap_masked_share", "time/fps"):
         assert (run_dir / "scalars" / f"{name}.csv").is_file(), name
-    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert {"actor", "critic", "optimizer", "config", "frames"} <= set(checkpoint)
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
+    assert {"actor", "critic", "optimizer", "config", "progress"} <= set(checkpoint)
+    return summary
 
 
-def test_masked_rl_train_smoke(tmp_path):
+def test_masked_rl_train_and_eval_smoke(tmp_path):
     out = run(["masked-rl", "train", *TINY, "--output", str(tmp_path), "--seed", "3"], tmp_path)
     assert "final greedy success" in out
-    check_run_folder(tmp_path / "masked-seed3")
+    run_dir = tmp_path / "masked-seed3"
+    summary = check_run_folder(run_dir)
+    # By default eval replays the run's own evaluation: the same success rate.
+    out = run(["masked-rl", "eval", str(run_dir), "--render"], tmp_path)
+    assert f"greedy success {summary['final_success_rate']:.1%} over 8 episodes" in out
+    assert out.splitlines()[-1].startswith("[<bos>")  # the transcript of one greedy episode
 
 
-def test_recipe_script_smoke_plain_estimator_and_workers(tmp_path):
-    script = REPO / "examples" / "ppo_tool_use" / "ppo_tool_use.py"
-    run([sys.executable, str(script), *TINY, "--estimator", "plain", "--workers", "2",
-         "--output", str(tmp_path)], tmp_path)
-    check_run_folder(tmp_path / "plain-seed0")
+def test_eval_command_options(tmp_path, capsys):
+    summary = recipe.train(Config(**TINY_CONFIG, output=str(tmp_path)))
+    checkpoint = Path(summary["run_dir"]) / "checkpoint.pt"
+    command = parse_eval_command([str(checkpoint), "--episodes", "3", "--seed", "11"])
+    assert recipe.run_eval_command(command) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint at 1024 frames" in out and "over 3 episodes (seed 11)" in out
 
 
-def test_masked_rl_compare_smoke(tmp_path):
-    out = run(["masked-rl", "compare", *TINY, "--seeds", "5", "--jobs", "2",
-               "--output", str(tmp_path)], tmp_path)
+def test_recipe_script_from_its_folder_with_workers_stops_on_ctrl_c_and_resumes(tmp_path):
+    """The script runs from its own folder; a terminal's Ctrl-C (SIGINT to the process group)
+    with ``--workers 2`` stops it within seconds, exit status 130, workers gone, checkpoint
+    and summary marked interrupted; ``masked-rl train --resume`` then finishes the run."""
+    args = [sys.executable, "ppo_tool_use.py", "--frames", "3072", "--num-envs", "8",
+            "--frames-per-batch", "256", "--minibatch-size", "64", "--epochs", "1",
+            "--eval-every", "1024", "--eval-episodes", "8", "--no-progress-bar", "--threads",
+            "1", "--estimator", "plain", "--workers", "2", "--output", str(tmp_path)]
+    process = subprocess.Popen(args, cwd=REPO / "examples" / "ppo_tool_use",
+                               env={**os.environ, "RL_WARNINGS": "False"},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    run_dir = tmp_path / "plain-seed0"
+    batches_log = run_dir / "scalars" / "train" / "trainable_steps.csv"
+    deadline = time.monotonic() + 240
+    while not (batches_log.is_file() and len(batches_log.read_text().split()) >= 2):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "no batch after 240 s"
+        time.sleep(0.1)
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    workers = [pid for pid in children  # not multiprocessing's resource tracker
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 2, children
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    sent = time.monotonic()
+    stdout, stderr = process.communicate(timeout=120)
+    stopped_after = time.monotonic() - sent
+    assert process.returncode == 130, stdout + stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "continue with: masked-rl train --resume" in stderr
+    assert stopped_after < 30, stopped_after  # a batch and the shutdown; seconds on an idle box
+    for pid in workers:  # gone, or a zombie waiting for init
+        status = Path(f"/proc/{pid}/status")
+        assert not status.exists() or "zombie" in status.read_text(), pid
+    summary = check_run_folder(run_dir, status="interrupted", min_frames=512)
+    assert summary["frames"] < 3072
+
+    run(["masked-rl", "train", "--resume", str(run_dir), "--no-progress-bar"], tmp_path)
+    summary = check_run_folder(run_dir)
+    assert summary["frames"] == 3072 and summary["config"]["workers"] == 2
+
+
+def test_masked_rl_compare_smoke_and_rerun(tmp_path):
+    args = ["masked-rl", "compare", *TINY, "--frames", "600", "--seeds", "5", "--jobs", "2",
+            "--output", str(tmp_path)]
+    out = run(args, tmp_path)
     assert "| masked |" in out and "| plain |" in out and "frames to 90%" in out
+    assert "1,024 frames per run (--frames 600 rounded up to whole batches of 512)" in out
     with (tmp_path / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert sorted((r["estimator"], r["seed"]) for r in rows) == [("masked", "5"), ("plain", "5")]
+    assert sorted((r["estimator"], r["seed"], r["frames"]) for r in rows) == [
+        ("masked", "5", "1024"), ("plain", "5", "1024")]
     assert (tmp_path / "curves.csv").stat().st_size > 0
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    # The same command again: both runs are finished, nothing is trained again.
+    summary_csv = (tmp_path / "summary.csv").read_text()
+    out = run(args, tmp_path)
+    assert "reusing 2 finished run(s), resuming 0, starting 0" in out
+    assert (tmp_path / "summary.csv").read_text() == summary_csv
+
+
+def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys):
+    argv = [*TINY, "--frames", "2048", "--seeds", "7", "--jobs", "1", "--output", str(tmp_path)]
+    at_batch(monkeypatch, 2, send_sigint)  # in the first run (masked, seed 7)
+    assert compare.main(argv) == 130
+    assert "re-run the same command" in capsys.readouterr().err
+    assert not (tmp_path / "plain-seed7").exists() and not (tmp_path / "summary.csv").exists()
+    monkeypatch.undo()
+    assert compare.main(argv) == 0
+    assert "reusing 0 finished run(s), resuming 1, starting 1" in capsys.readouterr().out
+    for name in ("masked-seed7", "plain-seed7"):
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert (summary["status"], summary["frames"]) == ("completed", 2048)
+    # A folder that holds a run with other options is an error before anything runs.
+    assert compare.main([*argv[:-4], "--frames", "4096", "--jobs", "1", "--output",
+                         str(tmp_path)]) == 2
+    assert "holds a run with other options (frames differ)" in capsys.readouterr().err

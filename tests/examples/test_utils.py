@@ -1,0 +1,117 @@
+"""The recipe's helpers: cut statistics against a plain loop, atomic files, interruption."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from masked_rl_examples.ppo_tool_use import utils
+
+
+def batch_of(done, terminated, next_loss_mask) -> TensorDict:
+    done = torch.as_tensor(done, dtype=torch.bool)
+    return TensorDict({"next": {
+        "done": done.unsqueeze(-1),
+        "terminated": torch.as_tensor(terminated, dtype=torch.bool).unsqueeze(-1),
+        "loss_mask": torch.as_tensor(next_loss_mask, dtype=torch.int8).unsqueeze(-1),
+    }}, batch_size=done.shape)
+
+
+def reference_cut_statistics(done, terminated, next_loss_mask) -> dict:
+    """Row by row, step by step: count episodes, cut episodes, bootstrap reads, masked reads."""
+    episodes = cuts = reads = masked_reads = 0
+    for row_done, row_terminated, row_mask in zip(done, terminated, next_loss_mask):
+        for t, (d, k, m) in enumerate(zip(row_done, row_terminated, row_mask)):
+            last = t == len(row_done) - 1
+            if d or last:
+                episodes += 1
+            if last and not d:
+                cuts += 1
+            if (d and not k) or (last and not d):
+                reads += 1
+                masked_reads += m == 0
+    stats = {"episodes_cut_share": cuts / episodes}
+    if reads:
+        stats["bootstrap_masked_share"] = masked_reads / reads
+    return stats
+
+
+def test_cut_statistics_worked_case():
+    # Row 0: an episode ends (terminated) at step 1, the next one is cut by the batch end, on
+    # an observation where the agent acts. Row 1: a truncation at step 2 (its final
+    # observation is masked), a one-step episode that terminates at the batch end.
+    done = [[0, 1, 0, 0], [0, 0, 1, 1]]
+    terminated = [[0, 1, 0, 0], [0, 0, 0, 1]]
+    next_loss_mask = [[0, 0, 0, 1], [1, 1, 0, 0]]
+    stats = utils.cut_statistics(batch_of(done, terminated, next_loss_mask))
+    assert stats == pytest.approx({"episodes_cut_share": 1 / 4, "bootstrap_masked_share": 1 / 2})
+    # Truncations turned into terminations (--no-bootstrap-truncated): only the cut is read.
+    stats = utils.cut_statistics(batch_of(done, done, next_loss_mask))
+    assert stats == pytest.approx({"episodes_cut_share": 1 / 4, "bootstrap_masked_share": 0.0})
+    # No bootstrap read at all: no masked share to report.
+    assert utils.cut_statistics(batch_of([[0, 1]], [[0, 1]], [[1, 0]])) == {
+        "episodes_cut_share": 0.0}
+
+
+@pytest.mark.parametrize("shape", [(4, 9), (2, 3, 5), (1, 1)])
+@pytest.mark.parametrize("seed", range(5))
+def test_cut_statistics_match_a_plain_loop(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    done = torch.rand(shape, generator=generator) < 0.3
+    terminated = done & (torch.rand(shape, generator=generator) < 0.5)
+    next_loss_mask = (torch.rand(shape, generator=generator) < 0.3).to(torch.int8)
+    rows = lambda x: x.reshape(-1, shape[-1]).tolist()  # noqa: E731
+    expected = reference_cut_statistics(rows(done), rows(terminated), rows(next_loss_mask))
+    stats = utils.cut_statistics(batch_of(done, terminated, next_loss_mask))
+    assert stats == pytest.approx(expected)
+
+
+def test_save_atomically_keeps_the_previous_file_when_writing_fails(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    utils.save_atomically({"weights": torch.ones(3)}, path)
+
+    def save_half_then_fail(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", save_half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        utils.save_atomically({"weights": torch.zeros(3)}, path)
+    monkeypatch.undo()
+    assert torch.equal(torch.load(path, weights_only=True)["weights"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary left
+    utils.write_text_atomically("new", tmp_path / "summary.json")
+    assert (tmp_path / "summary.json").read_text() == "new"
+
+
+def test_truncate_csv_scalars(tmp_path):
+    scalars = tmp_path / "scalars" / "train"
+    scalars.mkdir(parents=True)
+    (scalars / "loss.csv").write_text("512,1.0\n1024,2.0\n1536,3.0\n")
+    utils.truncate_csv_scalars(tmp_path, 1024)
+    assert (scalars / "loss.csv").read_text() == "512,1.0\n1024,2.0\n"
+
+
+def test_stop_on_interrupt_turns_sigint_into_a_flag():
+    before = signal.getsignal(signal.SIGINT)
+    with utils.StopOnInterrupt() as interrupt:
+        assert not interrupt.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # a second one changes nothing
+        assert interrupt.requested
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_processes_started_under_sigint_ignored_ignore_it():
+    code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
+    with utils.sigint_ignored():
+        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                               check=True)
+    assert child.stdout.strip() == "True"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
