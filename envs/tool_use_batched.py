@@ -12,6 +12,8 @@ with no Python loop over environments. The rules are :class:`ToolUseEnv`'s, toke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, OneHot, Unbounded
@@ -34,6 +36,38 @@ from masked_rl_envs.tool_use import (
 )
 
 __all__ = ["ToolUseBatchedEnv"]
+
+@dataclass
+class _EpisodeState:
+    """Every environment's episode, one row per environment (shape ``[num_envs, ...]``).
+
+    A step replaces these tensors instead of writing into them (except ``head``, which no
+    observation holds): the tensors of an observation already handed out never change.
+    """
+
+    tokens: torch.Tensor  # [N, W] the observation window
+    num_steps: torch.Tensor
+    phase: torch.Tensor  # _TURN, _CALL_ARGUMENT, _ANSWERING or _CLOSING
+    # The block the environment is writing: its first head_len tokens come from head, the others
+    # are filler words then END (a response block) or <eos> (the closing block). The agent
+    # writes the next token once block_pos reaches block_len.
+    head: torch.Tensor  # [N, max(prompt_len, 3)]
+    head_len: torch.Tensor
+    block_len: torch.Tensor
+    block_pos: torch.Tensor
+    first_reward: torch.Tensor  # float64, on the block's first token
+    last_reward: torch.Tensor  # float64, on its last token
+    table: torch.Tensor  # [N, n_keys] value index of each key
+    queries: torch.Tensor  # [N, n_queries] key indices, in answer order
+    answer: torch.Tensor  # [N, n_queries] the answer's tokens so far
+    answer_len: torch.Tensor
+    num_lookups: torch.Tensor
+    num_in_order: torch.Tensor  # queried keys looked up in the order asked, for lookup_reward
+    num_tool_calls: torch.Tensor
+    num_agent_tokens: torch.Tensor
+    is_success: torch.Tensor
+    episode_over: torch.Tensor  # ended and not reset since
+
 
 _INFO_DTYPES = {"is_success": torch.bool, "num_tool_calls": torch.int64, "num_agent_tokens": torch.int64}
 
@@ -204,28 +238,27 @@ class ToolUseBatchedEnv(EnvBase):
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros((n, *shape), dtype=dtype, device=dev)
 
-        self._tokens = zeros(self.window, dtype=self.tokens_dtype)
-        self._num_steps = zeros()
-        self._phase = zeros()
-        # The block the environment is writing: its first head_len tokens come from _head, the
-        # others are filler words and END (a response) or <eos> (the closing block). The
-        # agent writes the next token once _block_pos reaches _block_len.
-        self._head = zeros(self._head_size)
-        self._head_len = zeros()
-        self._block_len = zeros()
-        self._block_pos = zeros()
-        self._first_reward = zeros(dtype=torch.float64)  # on the block's first token
-        self._last_reward = zeros(dtype=torch.float64)  # on its last token
-        self._table = zeros(g.n_keys)
-        self._queries = zeros(g.n_queries)
-        self._answer = zeros(g.n_queries)
-        self._answer_len = zeros()
-        self._num_lookups = zeros()
-        self._num_in_order = zeros()
-        self._num_tool_calls = zeros()
-        self._num_agent_tokens = zeros()
-        self._is_success = zeros(dtype=torch.bool)
-        self._episode_over = torch.ones(n, dtype=torch.bool, device=dev)
+        self._state = _EpisodeState(
+            tokens=zeros(self.window, dtype=self.tokens_dtype),
+            num_steps=zeros(),
+            phase=zeros(),
+            head=zeros(self._head_size),
+            head_len=zeros(),
+            block_len=zeros(),
+            block_pos=zeros(),
+            first_reward=zeros(dtype=torch.float64),
+            last_reward=zeros(dtype=torch.float64),
+            table=zeros(g.n_keys),
+            queries=zeros(g.n_queries),
+            answer=zeros(g.n_queries),
+            answer_len=zeros(),
+            num_lookups=zeros(),
+            num_in_order=zeros(),
+            num_tool_calls=zeros(),
+            num_agent_tokens=zeros(),
+            is_success=zeros(dtype=torch.bool),
+            episode_over=torch.ones(n, dtype=torch.bool, device=dev),
+        )
         self._arange_queries = torch.arange(g.n_queries, device=dev)
 
     def _set_seed(self, seed: int | None) -> None:
@@ -239,70 +272,70 @@ class ToolUseBatchedEnv(EnvBase):
     @property
     def table(self) -> torch.Tensor:
         """Value index of each key in each environment's current table, shape ``[num_envs, n_keys]``."""
-        return self._table.clone()
+        return self._state.table.clone()
 
     @property
     def queries(self) -> torch.Tensor:
         """Key indices asked in each environment's current episode, in answer order,
         shape ``[num_envs, n_queries]``."""
-        return self._queries.clone()
+        return self._state.queries.clone()
 
     # -- reset and step -------------------------------------------------------------------------
 
     def _observation(self, done: torch.Tensor) -> TensorDict:
-        agent_next = ~done & (self._block_pos >= self._block_len)
+        s = self._state
+        agent_next = ~done & (s.block_pos >= s.block_len)
         return TensorDict(
             {
-                "tokens": self._tokens,
+                "tokens": s.tokens,
                 "loss_mask": agent_next.to(torch.int8).unsqueeze(-1),
-                "is_success": self._is_success,
-                "num_tool_calls": self._num_tool_calls,
-                "num_agent_tokens": self._num_agent_tokens,
+                "is_success": s.is_success,
+                "num_tool_calls": s.num_tool_calls,
+                "num_agent_tokens": s.num_agent_tokens,
             },
             batch_size=self.batch_size,
             device=self.device,
         )
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
-        g, (n,) = self.grammar, self.batch_size
+        g, (n,), dev, s = self.grammar, self.batch_size, self.device, self._state
         reset = None if tensordict is None else tensordict.get("_reset", None)
-        reset = (
-            torch.ones(n, dtype=torch.bool, device=self.device)
-            if reset is None
-            else reset.reshape(n).to(self.device, torch.bool)
-        )
-        # Every environment draws a task; the ones not reset discard theirs. Fixed shapes keep
-        # the reset free of host synchronisation.
-        table = torch.randint(g.n_values, (n, g.n_keys), generator=self._generator, device=self.device)
-        # The first n_queries of a uniform random permutation: distinct keys, uniform order.
-        order = torch.rand((n, g.n_keys), generator=self._generator, device=self.device, dtype=torch.float64)
+        if reset is None:
+            reset = torch.ones(n, dtype=torch.bool, device=dev)
+        else:
+            reset = reset.reshape(n).to(dev, torch.bool)
+        # Every environment draws a task and the ones not reset discard theirs: fixed shapes, no
+        # host synchronisation.
+        table = torch.randint(g.n_values, (n, g.n_keys), generator=self._generator, device=dev)
+        # The first n_queries of a uniform random permutation: distinct keys in uniform order.
+        order = torch.rand((n, g.n_keys), generator=self._generator, device=dev, dtype=torch.float64)
         queries = order.argsort(-1)[:, : g.n_queries]
-        prompt = torch.zeros((n, self._head_size), dtype=torch.int64, device=self.device)
-        prompt[:, 0] = BOS
-        prompt[:, 1 : g.prompt_len] = g.key(0) + queries
+        prompt = torch.cat(
+            [torch.full((n, 1), BOS, device=dev), g.key(0) + queries,
+             torch.zeros((n, self._head_size - g.prompt_len), dtype=torch.int64, device=dev)],
+            -1,
+        )
+        rows = reset.unsqueeze(-1)
+        s.table = torch.where(rows, table, s.table)
+        s.queries = torch.where(rows, queries, s.queries)
+        s.head = torch.where(rows, prompt, s.head)
+        s.tokens = torch.where(rows, PAD, s.tokens)
+        s.head_len = torch.where(reset, g.prompt_len, s.head_len)
+        s.block_len = torch.where(reset, g.prompt_len, s.block_len)
+        s.phase = torch.where(reset, _TURN, s.phase)
+        s.is_success = s.is_success & ~reset
+        s.episode_over = s.episode_over & ~reset
+        for name in ("num_steps", "block_pos", "answer_len", "num_lookups", "num_in_order",
+                     "num_tool_calls", "num_agent_tokens", "first_reward", "last_reward"):
+            setattr(s, name, torch.where(reset, 0, getattr(s, name)))
 
-        r1, r2 = reset.unsqueeze(-1), reset
-        self._table = torch.where(r1, table, self._table)
-        self._queries = torch.where(r1, queries, self._queries)
-        self._head = torch.where(r1, prompt, self._head)
-        self._tokens = torch.where(r1, torch.zeros_like(self._tokens), self._tokens)
-        self._head_len = torch.where(r2, g.prompt_len, self._head_len)
-        self._block_len = torch.where(r2, g.prompt_len, self._block_len)
-        self._phase = torch.where(r2, _TURN, self._phase)
-        self._is_success = self._is_success & ~r2
-        self._episode_over = self._episode_over & ~r2
-        for name in ("_num_steps", "_block_pos", "_answer_len", "_num_lookups", "_num_in_order",
-                     "_num_tool_calls", "_num_agent_tokens", "_first_reward", "_last_reward"):
-            value = getattr(self, name)
-            setattr(self, name, torch.where(r2, 0, value))
-
-        out = self._observation(torch.zeros(n, dtype=torch.bool, device=self.device))
-        false = torch.zeros((n, 1), dtype=torch.bool, device=self.device)
+        out = self._observation(torch.zeros(n, dtype=torch.bool, device=dev))
+        false = torch.zeros((n, 1), dtype=torch.bool, device=dev)
         out.update({"done": false, "terminated": false.clone(), "truncated": false.clone()})
         return out
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
-        g, (n,), dev = self.grammar, self.batch_size, self.device
+        g, (n,), dev, s = self.grammar, self.batch_size, self.device, self._state
         action = tensordict.get("action")
         if not self.categorical_action_encoding:
             action = action.argmax(-1)
@@ -312,32 +345,33 @@ class ToolUseBatchedEnv(EnvBase):
         active = tensordict.get("_step", None)
         active = None if active is None else active.reshape(n).to(dev, torch.bool)
 
-        pos, block_len, phase = self._block_pos, self._block_len, self._phase
+        pos, block_len, phase = s.block_pos, s.block_len, s.phase
         writing = pos < block_len  # the environment writes this step's token
         agent = ~writing
         if active is not None:
             writing, agent = writing & active, agent & active
         stepped = agent | writing
         bad_action = agent & ((token < 0) | (token >= g.vocab_size))
-        if (bad_action | (stepped & self._episode_over)).any():  # the step's one host sync
+        if (bad_action | (stepped & s.episode_over)).any():  # the step's one host synchronisation
             self._raise_bad_step(token, bad_action, stepped)
 
-        # -- the environment's token: the head, else END / <eos> last, else filler or <eos>
+        # -- the environment's token: the head, then filler words and END, or <eos> throughout
         closing = phase == _CLOSING
         last = pos == block_len - 1
-        head_token = self._head.gather(1, pos.clamp(max=self._head_size - 1).unsqueeze(-1)).squeeze(-1)
+        head_token = s.head.gather(1, pos.clamp(max=self._head_size - 1).unsqueeze(-1)).squeeze(-1)
         if g.n_filler > 1:
             filler = g.filler(0) + torch.randint(g.n_filler, (n,), generator=self._generator, device=dev)
         else:
             filler = torch.full((n,), g.filler(0), device=dev)
         tail = torch.where(closing, EOS, torch.where(last, END, filler))
-        env_token = torch.where(pos < self._head_len, head_token, tail)
-        env_reward = torch.where(pos == 0, self._first_reward, 0.0) + torch.where(last, self._last_reward, 0.0)
+        env_token = torch.where(pos < s.head_len, head_token, tail)
+        env_reward = torch.where(pos == 0, s.first_reward, 0.0) + torch.where(last, s.last_reward, 0.0)
         terminated = writing & closing & last
 
-        # -- the agent's token (ToolUseEnv._agent_token)
+        # -- the agent's token, as in ToolUseEnv._agent_token
         key_index = token - g.key(0)
         is_key = (key_index >= 0) & (key_index < g.n_keys)
+        key_index = key_index.clamp(0, g.n_keys - 1)
         turn = agent & (phase == _TURN)
         call_argument = agent & (phase == _CALL_ARGUMENT)
         answering = agent & (phase == _ANSWERING)
@@ -349,13 +383,12 @@ class ToolUseBatchedEnv(EnvBase):
             opens_call = torch.zeros_like(turn)
             calls = turn & is_key
         malformed = (turn & ~opens_call & ~opens_answer & ~calls) | (call_argument & ~is_key)
-        lookup = calls & (self._num_lookups < self.max_calls)
+        lookup = calls & (s.num_lookups < self.max_calls)
         responds = malformed | calls  # a response block follows: a result or an error
-        key_index = key_index.clamp(0, g.n_keys - 1)
-        next_query = self._queries.gather(1, self._num_in_order.clamp(max=g.n_queries - 1).unsqueeze(-1)).squeeze(-1)
-        in_order = lookup & (self._num_in_order < g.n_queries) & (next_query == key_index)
-        value_token = g.value(0) + self._table.gather(1, key_index.unsqueeze(-1)).squeeze(-1)
-        # [RESULT key value], [ERROR token] (a turn) or [ERROR CALL token] (after CALL).
+        next_query = s.queries.gather(1, s.num_in_order.clamp(max=g.n_queries - 1).unsqueeze(-1)).squeeze(-1)
+        in_order = lookup & (s.num_in_order < g.n_queries) & (next_query == key_index)
+        value_token = g.value(0) + s.table.gather(1, key_index.unsqueeze(-1)).squeeze(-1)
+        # [RESULT key value], [ERROR token] (a turn) or [ERROR CALL token] (after CALL)
         head = torch.stack(
             [
                 torch.where(lookup, RESULT, ERROR),
@@ -366,46 +399,42 @@ class ToolUseBatchedEnv(EnvBase):
         )
         head_len = torch.where(turn & ~lookup, 2, 3)
 
-        answer_slot = answering.unsqueeze(-1) & (self._arange_queries == self._answer_len.unsqueeze(-1))
-        self._answer = torch.where(answer_slot, token.unsqueeze(-1), self._answer)
-        self._answer_len = self._answer_len + answering
-        answers = answering & (self._answer_len == g.n_queries)
-        expected = g.value(0) + self._table.gather(1, self._queries)
-        num_correct = (self._answer == expected).sum(-1)
+        answer_slot = answering.unsqueeze(-1) & (self._arange_queries == s.answer_len.unsqueeze(-1))
+        s.answer = torch.where(answer_slot, token.unsqueeze(-1), s.answer)
+        s.answer_len = s.answer_len + answering
+        answers = answering & (s.answer_len == g.n_queries)  # the answer is complete
+        num_correct = (s.answer == g.value(0) + s.table.gather(1, s.queries)).sum(-1)
         solved = answers & (num_correct == g.n_queries)
         if self.partial_credit:
             terminal_reward = num_correct.to(torch.float64) / g.n_queries
         else:
             terminal_reward = solved.to(torch.float64)
 
-        # -- state updates
-        self._num_lookups = self._num_lookups + lookup
-        self._num_in_order = self._num_in_order + in_order
-        self._num_tool_calls = self._num_tool_calls + responds
-        self._num_agent_tokens = self._num_agent_tokens + agent
-        self._is_success = self._is_success | solved
+        # -- the state after this step
+        s.num_lookups = s.num_lookups + lookup
+        s.num_in_order = s.num_in_order + in_order
+        s.num_tool_calls = s.num_tool_calls + responds
+        s.num_agent_tokens = s.num_agent_tokens + agent
+        s.is_success = s.is_success | solved
         phase = torch.where(opens_call, _CALL_ARGUMENT, phase)
         phase = torch.where(opens_answer, _ANSWERING, phase)
         phase = torch.where(call_argument, _TURN, phase)
-        self._phase = torch.where(answers, _CLOSING, phase)
-        self._head[:, :3] = torch.where(responds.unsqueeze(-1), head, self._head[:, :3])
-        new_block = responds | answers
-        self._head_len = torch.where(responds, head_len, torch.where(answers, 0, self._head_len))
-        self._block_len = torch.where(
-            responds, g.response_len, torch.where(answers, g.closing_len, block_len)
-        )
-        self._block_pos = torch.where(new_block, 0, pos + writing)
+        s.phase = torch.where(answers, _CLOSING, phase)
+        s.head[:, :3] = torch.where(responds.unsqueeze(-1), head, s.head[:, :3])
+        s.head_len = torch.where(responds, head_len, torch.where(answers, 0, s.head_len))
+        s.block_len = torch.where(responds, g.response_len, torch.where(answers, g.closing_len, block_len))
+        s.block_pos = torch.where(responds | answers, 0, pos + writing)
         response_reward = torch.where(in_order, self._response_reward_in_order, self._response_reward)
-        self._first_reward = torch.where(responds, response_reward, torch.where(answers, 0.0, self._first_reward))
-        self._last_reward = torch.where(responds, 0.0, torch.where(answers, terminal_reward, self._last_reward))
+        s.first_reward = torch.where(responds, response_reward, torch.where(answers, 0.0, s.first_reward))
+        s.last_reward = torch.where(responds, 0.0, torch.where(answers, terminal_reward, s.last_reward))
 
         written = torch.where(writing, env_token, token).to(self.tokens_dtype)
-        shifted = torch.cat([self._tokens[:, 1:], written.unsqueeze(-1)], -1)
-        self._tokens = shifted if active is None else torch.where(active.unsqueeze(-1), shifted, self._tokens)
-        self._num_steps = self._num_steps + stepped
-        truncated = stepped & ~terminated & (self._num_steps >= self.max_steps)
+        shifted = torch.cat([s.tokens[:, 1:], written.unsqueeze(-1)], -1)
+        s.tokens = shifted if active is None else torch.where(active.unsqueeze(-1), shifted, s.tokens)
+        s.num_steps = s.num_steps + stepped
+        truncated = stepped & ~terminated & (s.num_steps >= self.max_steps)
         done = terminated | truncated
-        self._episode_over = self._episode_over | done
+        s.episode_over = s.episode_over | done
 
         out = self._observation(done)
         out.update(
@@ -419,7 +448,7 @@ class ToolUseBatchedEnv(EnvBase):
         return out
 
     def _raise_bad_step(self, token, bad_action, stepped) -> None:
-        over = (stepped & self._episode_over).nonzero().squeeze(-1).tolist()
+        over = (stepped & self._state.episode_over).nonzero().squeeze(-1).tolist()
         if over:
             raise RuntimeError(
                 f"step() called on environments {over} whose episode ended; reset them first "
