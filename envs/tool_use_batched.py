@@ -282,20 +282,23 @@ class ToolUseBatchedEnv(EnvBase):
 
     # -- reset and step -------------------------------------------------------------------------
 
-    def _observation(self, done: torch.Tensor) -> TensorDict:
+    def _output(self, done, terminated, truncated, reward=None) -> TensorDict:
+        """The observation, info and done flags (``[N]`` bools) of the current state, and ``reward``."""
         s = self._state
         agent_next = ~done & (s.block_pos >= s.block_len)
-        return TensorDict(
-            {
-                "tokens": s.tokens,
-                "loss_mask": agent_next.to(torch.int8).unsqueeze(-1),
-                "is_success": s.is_success,
-                "num_tool_calls": s.num_tool_calls,
-                "num_agent_tokens": s.num_agent_tokens,
-            },
-            batch_size=self.batch_size,
-            device=self.device,
-        )
+        out = {
+            "tokens": s.tokens,
+            "loss_mask": agent_next.to(torch.int8).unsqueeze(-1),
+            "is_success": s.is_success,
+            "num_tool_calls": s.num_tool_calls,
+            "num_agent_tokens": s.num_agent_tokens,
+            "done": done.unsqueeze(-1),
+            "terminated": terminated.unsqueeze(-1),
+            "truncated": truncated.unsqueeze(-1),
+        }
+        if reward is not None:
+            out["reward"] = reward.to(torch.float32).unsqueeze(-1)
+        return TensorDict(out, batch_size=self.batch_size, device=self.device)
 
     def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
         g, (n,), dev, s = self.grammar, self.batch_size, self.device, self._state
@@ -329,10 +332,8 @@ class ToolUseBatchedEnv(EnvBase):
                      "num_tool_calls", "num_agent_tokens", "first_reward", "last_reward"):
             setattr(s, name, torch.where(reset, 0, getattr(s, name)))
 
-        out = self._observation(torch.zeros(n, dtype=torch.bool, device=dev))
-        false = torch.zeros((n, 1), dtype=torch.bool, device=dev)
-        out.update({"done": false, "terminated": false.clone(), "truncated": false.clone()})
-        return out
+        false = torch.zeros(n, dtype=torch.bool, device=dev)
+        return self._output(false, false.clone(), false.clone())
 
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         g, (n,), dev, s = self.grammar, self.batch_size, self.device, self._state
@@ -436,16 +437,7 @@ class ToolUseBatchedEnv(EnvBase):
         done = terminated | truncated
         s.episode_over = s.episode_over | done
 
-        out = self._observation(done)
-        out.update(
-            {
-                "reward": torch.where(writing, env_reward, 0.0).to(torch.float32).unsqueeze(-1),
-                "done": done.unsqueeze(-1),
-                "terminated": terminated.unsqueeze(-1),
-                "truncated": truncated.unsqueeze(-1),
-            }
-        )
-        return out
+        return self._output(done, terminated, truncated, reward=torch.where(writing, env_reward, 0.0))
 
     def _raise_bad_step(self, token, bad_action, stepped) -> None:
         over = (stepped & self._state.episode_over).nonzero().squeeze(-1).tolist()
