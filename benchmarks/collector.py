@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             gym = median.get(("gym", policy))
             ratio = f"{median[backend, policy] / gym:>6.2f}" if gym else f"{'':>6}"
             print(f"{env_id.removeprefix('MaskedRL/'):<20} {trainable:>9.1%}  "
-                  f"{_name((backend, policy)):<34} {median[backend, policy]:>8.0f}/s {ratio}", flush=True)
+                  f"{_name((backend, policy)):<34} {median[backend, policy]:>8.0f}/s {ratio}".rstrip(),
+                  flush=True)
         splits.append((env_id, split))
     if args.split:
         print("\nseconds per batch (mean over the timed batches):")

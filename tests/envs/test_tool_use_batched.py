@@ -359,6 +359,8 @@ def test_one_hot_actions_and_tokens_dtype():
 
     td = env.rollout(50, one_hot_oracle)
     assert td["tokens"].dtype == torch.int32 and td["action"].shape == (2, 44, 17)
+    embed = torch.nn.Embedding(17, 3)  # what the recipe's MLP encoder reads tokens with
+    assert torch.equal(embed(td["tokens"]), embed(td["tokens"].long()))
     assert td["next", "terminated"][:, -1].all() and td["next", "is_success"][:, -1].all()
 
 
