@@ -22,10 +22,10 @@ def test_collector_speed_table_and_split(capsys):
     split = {m[1]: list(map(float, m[2].split())) for m in split if m}
     assert set(split) == {f"{b}, {p}" for b, p in rows}
     for name, (batch, policy, torchrl_env, env, tool_use, rest) in split.items():
-        # The parts nest: ToolUseEnv inside the gymnasium vector env inside TorchRL's step; the
-        # batched env has no ToolUseEnv.
+        # The parts nest: ToolUseEnv inside the gymnasium vector env inside TorchRL's step (at
+        # this size ToolUseEnv's share may print as 0.000); the batched env has no ToolUseEnv.
         assert 0 < env <= torchrl_env <= batch and policy > 0
-        assert 0 < tool_use <= env if name.startswith("gym") else tool_use == 0
+        assert tool_use <= env if name.startswith("gym") else tool_use == 0
 
 
 def test_collector_speed_rejects_bad_sizes():
