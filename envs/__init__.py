@@ -25,7 +25,9 @@ view: the answer stays visible to the critic until the terminal reward, and the 
 policy after wasted turns.
 
 Also: :class:`OraclePolicy` (a scripted policy that solves every episode from its
-observations) and :func:`make_torchrl_env` (the ids as a TorchRL environment).
+observations), :func:`make_torchrl_env` (the ids as a TorchRL environment) and
+:class:`ToolUseBatchedEnv` (N episodes stepped at once with tensor operations, a TorchRL
+``EnvBase``; ``make_torchrl_env(..., backend="batched")``).
 """
 
 import gymnasium
@@ -40,6 +42,7 @@ __all__ = [
     "LONG256_KWARGS",
     "LONG64_KWARGS",
     "OraclePolicy",
+    "ToolUseBatchedEnv",
     "ToolUseEnv",
     "ToolUseGrammar",
     "make_torchrl_env",
@@ -70,6 +73,18 @@ LONG64_KWARGS = dict(response_len=64, lookup_reward=0.0, window=272, max_steps=2
 
 LONG256_KWARGS = dict(response_len=256, window=1040, max_steps=1040)
 """Constructor arguments of ``MaskedRL/ToolUseLong256-v0`` (oracle: 524 steps, 5 agent tokens)."""
+
+
+
+def __getattr__(name):
+    # Lazy: importing this package (as gymnasium does in every vector-env worker) should not
+    # pay for importing TorchRL.
+    if name == "ToolUseBatchedEnv":
+        from masked_rl_envs.tool_use_batched import ToolUseBatchedEnv
+
+        return ToolUseBatchedEnv
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _ENTRY_POINT = "masked_rl_envs.tool_use:ToolUseEnv"
 _IDS = (

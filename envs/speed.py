@@ -5,7 +5,8 @@
 
 Every row steps the environment with uniformly random actions (masked steps included: they
 are environment steps too) and reports total environment steps per second of wall time,
-startup excluded. TorchRL rows use ``make_torchrl_env`` and ``env.rollout`` without a policy.
+startup excluded. TorchRL rows use ``make_torchrl_env`` and ``env.rollout`` without a policy
+(``batched``: ``backend="batched"``, :class:`~masked_rl_envs.ToolUseBatchedEnv`).
 Collection with the recipe's policy, with and without ``masked_rl.policy.SkipMaskedSteps``, and
 where a collector's time goes: ``python -m masked_rl_benchmarks.collector --split``.
 """
@@ -102,6 +103,15 @@ def main(argv: list[str] | None = None) -> None:
         ("gymnasium vector async, 8 envs", lambda: _vector_loop(args.env, args.steps, 8, "async")),
         ("TorchRL GymEnv, 1 env", lambda: _torchrl_rollout(args.env, args.steps // 4)),
         ("TorchRL vector sync, 8 envs", lambda: _torchrl_rollout(args.env, args.steps, num_envs=8)),
+        ("TorchRL vector sync, 128 envs", lambda: _torchrl_rollout(args.env, args.steps, num_envs=128)),
+        (
+            "TorchRL batched, 8 envs",
+            lambda: _torchrl_rollout(args.env, args.steps, num_envs=8, backend="batched"),
+        ),
+        (
+            "TorchRL batched, 128 envs",
+            lambda: _torchrl_rollout(args.env, args.steps, num_envs=128, backend="batched"),
+        ),
         (
             "TorchRL vector async, 8 envs",
             lambda: _torchrl_rollout(args.env, args.steps, num_envs=8, vectorization="async"),

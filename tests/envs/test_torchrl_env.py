@@ -108,6 +108,16 @@ def test_batched_env_rollout(serial):
         env.close()
 
 
+@pytest.mark.parametrize("num_envs, workers", [(1, 1), (3, 1), (2, 2)])
+def test_batched_backend_rollout(num_envs, workers):
+    env = make_torchrl_env(num_envs=num_envs, workers=workers, serial=True, backend="batched", seed=0)
+    try:
+        assert env.batch_size == ((workers,) if workers > 1 else ()) + (num_envs,)
+        check_rollout(oracle_rollout(env), tuple(env.batch_size), 98)
+    finally:
+        env.close()
+
+
 def test_plain_torchrl_wrappers():
     """Without the helper: GymWrapper over gymnasium.make, and GymEnv(num_envs=...)."""
     import gymnasium as gym
