@@ -143,7 +143,7 @@ class ToolUseBatchedEnv(EnvBase):
         >>> rollout.batch_size, rollout["tokens"].shape
         (torch.Size([4, 88]), torch.Size([4, 88, 64]))
         >>> env.grammar.decode(rollout["next", "tokens"][0, 4, -5:])  # the prompt, a call, RESULT
-        '<bos> k3 k1 k3 RESULT'
+        '<bos> k1 k0 k1 RESULT'
         >>> rollout["loss_mask"][0, :8].squeeze(-1).tolist()
         [0, 0, 0, 1, 0, 0, 0, 0]
         >>> done = rollout["next", "done"].squeeze(-1)
@@ -283,6 +283,30 @@ class ToolUseBatchedEnv(EnvBase):
             self._generator.seed()
         else:
             self._generator.manual_seed(int(seed))
+        # Draw every environment's episode from the new seed, as gymnasium's reset(seed=...) does
+        # (and TorchRL's GymWrapper with it): a collector built before set_seed() then plays
+        # seeded episodes from its first step. Its first observation does not change (an empty
+        # window before the prompt), so a collector's stored observation stays right.
+        self._reset(None)
+
+    def episode_state(self) -> dict:
+        """Every environment's episode and the random generator, as tensors (a checkpoint of the
+        environments mid-episode; :meth:`set_episode_state` restores it)."""
+        state = {name: value.clone() for name, value in vars(self._state).items()}
+        return {"episodes": state, "generator": self._generator.get_state()}
+
+    def set_episode_state(self, state: dict) -> None:
+        """Restore what :meth:`episode_state` returned, on an environment of the same arguments."""
+        episodes = state["episodes"]
+        if set(episodes) != set(vars(self._state)):
+            raise ValueError(f"state must hold the fields {sorted(vars(self._state))}, got {sorted(episodes)}")
+        for name, value in episodes.items():
+            current = getattr(self._state, name)
+            if value.shape != current.shape:
+                raise ValueError(f"state[{name!r}] must have shape {list(current.shape)} (this "
+                                 f"environment's), got {list(value.shape)}")
+            setattr(self._state, name, value.to(current.device).clone())
+        self._generator.set_state(state["generator"])
 
     # -- hidden state, for tests and debugging (the agent never sees it) -------------------------
 

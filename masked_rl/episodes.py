@@ -13,7 +13,7 @@ prepended to the same row of the next batch, so every episode is estimated once,
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from tensordict.utils import NestedKey
 
 from masked_rl.functional import check_loss_mask
@@ -27,9 +27,10 @@ class CompleteEpisodes:
     """Turn a collector's ``[B, T]`` batches into batches of complete episodes.
 
     Call it on every batch, in order (``for batch in collector: batch = complete(batch)``). For
-    each row (one environment), the steps after the row's last episode end are held back and
-    prepended to that row in the next call; the output has shape ``[B, P + T]``, ``P`` the
-    longest held-back part, rows left-padded. In the output:
+    each row (one environment; ``[*B, T]`` batches such as a multi-process collector's
+    ``[workers, envs, T]`` have one per leading index), the steps after the row's last episode
+    end are held back and prepended to that row in the next call; the output has shape
+    ``[*B, P + T]``, ``P`` the longest held-back part, rows left-padded. In the output:
 
     - the steps of episodes that ended in this batch (held-back steps of earlier batches
       included) are valid: ``("collector", "mask")`` is true there, and they are exactly the
@@ -93,19 +94,31 @@ class CompleteEpisodes:
         self._held = self._held_valid = None
 
     def state_dict(self) -> dict:
-        """The held-back steps, for a checkpoint (``load_state_dict`` restores them)."""
-        return {"held": self._held, "held_valid": self._held_valid}
+        """The held-back steps as nested dicts of tensors, for a checkpoint that
+        ``torch.load(..., weights_only=True)`` can read (``load_state_dict`` restores them)."""
+        if self._held is None:
+            return {"held": None, "held_valid": None}
+        return {"held": self._held.to_dict(), "held_valid": self._held_valid}
 
     def load_state_dict(self, state: dict) -> None:
-        self._held, self._held_valid = state["held"], state["held_valid"]
+        held, held_valid = state["held"], state["held_valid"]
+        if held is None:
+            self.reset()
+            return
+        self._held = TensorDict(held, batch_size=held_valid.shape, device=held_valid.device)
+        self._held_valid = held_valid
 
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
         """The batch with the previous call's held-back steps prepended, and its own held back."""
-        if batch.batch_dims != 2:
+        if batch.batch_dims < 2:
             raise ValueError(
-                f"CompleteEpisodes expects a collector batch of shape [B, T] (one row per "
-                f"environment), got batch_size {list(batch.batch_size)}"
+                f"CompleteEpisodes expects a collector batch of shape [*B, T] (one row per "
+                f"environment, e.g. [workers, envs, T]), got batch_size {list(batch.batch_size)}"
             )
+        if batch.batch_dims > 2:  # e.g. [workers, envs, T]: one row per environment
+            rows_shape = batch.batch_size[:-1]
+            out = self(batch.reshape(-1, batch.batch_size[-1]))
+            return out.reshape(*rows_shape, out.batch_size[-1])
         rows, _ = batch.batch_size
         valid = torch.ones(batch.batch_size, dtype=torch.bool, device=batch.device)
         if self._held is None:

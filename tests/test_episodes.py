@@ -66,19 +66,34 @@ def test_every_finished_episode_once_whole_and_exact(rows, horizon, batches, p_d
     assert complete.held_steps == int((~finished).sum())
 
 
-def test_state_dict_resumes_and_reset_forgets():
+def test_state_dict_resumes_and_reset_forgets(tmp_path):
     full = stream(3, 40, p_done=0.05, seed=1)
     a, b = CompleteEpisodes(), CompleteEpisodes()
     a(full[:, :20])
-    b.load_state_dict(a.state_dict())
+    state = a.state_dict()
+    path = tmp_path / "held.pt"
+    torch.save(state, path)
+    b.load_state_dict(torch.load(path, weights_only=True))  # plain containers only
     assert (a(full[:, 20:]) == b(full[:, 20:])).all()
     a.reset()
     assert a.held_steps == 0 and a(full[:, 20:]).batch_size == (3, 20)
 
 
+def test_leading_dims_are_rows():
+    """[workers, envs, T] batches (a multi-process collector's) are rows of their environments."""
+    full = stream(6, 40, p_done=0.06, seed=3)
+    flat, shaped = CompleteEpisodes(), CompleteEpisodes()
+    for k in range(4):
+        part = full[:, 10 * k : 10 * (k + 1)]
+        expected = flat(part)
+        got = shaped(part.reshape(2, 3, 10))
+        assert got.batch_size[:2] == (2, 3)
+        assert (got.reshape(6, -1) == expected).all()
+
+
 def test_errors_name_what_is_wrong():
     complete = CompleteEpisodes()
-    with pytest.raises(ValueError, match=r"shape \[B, T\].*got batch_size \[5\]"):
+    with pytest.raises(ValueError, match=r"shape \[\*B, T\].*got batch_size \[5\]"):
         complete(stream(1, 5, p_done=0.0, seed=0)[0])
     complete(stream(2, 5, p_done=0.0, seed=0))
     with pytest.raises(ValueError, match="the batch has 3 rows but the held-back steps came from 2"):

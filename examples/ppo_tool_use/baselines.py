@@ -7,8 +7,9 @@ writes ``"advantage"`` and ``"value_target"`` from the same inputs as :class:`ma
 ``("next", "state_value")``). Both rewrite some inputs of an existing estimator on a shallow copy
 of the rollout (the caller's tensors are never modified) and write the results back:
 
-- :class:`ZeroedGAE` (``zeroed``): values and rewards multiplied by the mask, then TorchRL's
-  plain ``GAE`` over every step;
+- :class:`ZeroedGAE` (``zeroed``): each episode's terminal reward moved to its last trainable
+  step (the outcome reward on the last response token), values and rewards multiplied by the
+  mask, then TorchRL's plain ``GAE`` over every step;
 - :class:`TerminalOnlyGAE` (``terminal-only``): :class:`masked_rl.MaskedGAE` with every masked
   reward dropped except each episode's terminal one, and zero bootstrap at every episode end.
 
@@ -53,15 +54,18 @@ def _write_back(tensordict: TensorDictBase, inputs: TensorDictBase, rewritten: s
 
 
 class ZeroedGAE(GAE):
-    """``zeroed``, the common "mask the tensors" approach: values and rewards multiplied by the mask,
-    then TorchRL's plain GAE over every step; its value targets are meaningful on trainable steps only.
+    """``zeroed``, the common "mask the tensors" approach of LLM RL: the outcome reward on the last
+    response token, values and rewards multiplied by the mask, then TorchRL's plain GAE over every
+    step; its value targets are meaningful on trainable steps only.
 
     With ``m[t]`` the ``loss_mask`` of step ``t`` and ``m'[t]`` that of the observation it reaches
-    (``("next", "loss_mask")``, ``m[t + 1]`` inside an episode), TorchRL's
-    :class:`~torchrl.objectives.value.GAE` runs on ``V[t] * m[t]``, ``V'[t] * m'[t]`` and
-    ``r[t] * m[t]``: every step is a transition (one ``gamma * lmbda`` per step, masked or not),
-    a masked step's value is 0 and its reward is dropped, including a terminal reward that
-    arrives on a masked step. Advantages at masked steps are not 0 in general (a PPO loss over
+    (``("next", "loss_mask")``, ``m[t + 1]`` inside an episode): the reward of an episode's last
+    step ``e`` (``done[e]``), when ``e`` is masked, is moved to the episode's last trainable step
+    (as systems that put the outcome reward on the last generated token do; an episode without a
+    trainable step keeps it where it is). Then TorchRL's :class:`~torchrl.objectives.value.GAE`
+    runs on ``V[t] * m[t]``, ``V'[t] * m'[t]`` and ``r[t] * m[t]``: every step is a transition (one
+    ``gamma * lmbda`` per step, masked or not), a masked step's value is 0 and every other reward
+    of a masked step (a tool output's shaping bonus, say) is dropped. Advantages at masked steps are not 0 in general (a PPO loss over
     trainable steps ignores them). The critic's value at masked observations never enters (it is
     multiplied by 0), so train it on trainable steps only: there its target ``A + V`` is the
     GAE return.
@@ -77,13 +81,14 @@ class ZeroedGAE(GAE):
         >>> mask = torch.tensor([[1, 0, 0, 1, 0]])
         >>> done = torch.zeros(1, 5, 1, dtype=torch.bool); done[0, -1] = True
         >>> reward = torch.tensor([[[0.0], [0.5], [0.0], [0.0], [1.0]]])   # both on masked steps
+        >>> # The terminal 1.0 moves to step 3, the 0.5 is dropped, masked values count as 0.
         >>> td = TensorDict({
         ...     "loss_mask": mask, "state_value": torch.ones(1, 5, 1),
         ...     "next": {"loss_mask": torch.tensor([[0, 0, 1, 0, 0]]), "reward": reward,
         ...              "done": done, "terminated": done, "state_value": torch.ones(1, 5, 1)},
         ... }, batch_size=[1, 5])
         >>> ZeroedGAE(gamma=1.0, lmbda=1.0, value_network=None)(td)["advantage"].squeeze(-1)
-        tensor([[-1.,  0.,  0., -1.,  0.]])
+        tensor([[0., 1., 1., 0., 0.]])
     """
 
     default_keys = MaskedGAE.default_keys
@@ -114,8 +119,10 @@ class ZeroedGAE(GAE):
         keys = self.tensor_keys
         inputs = tensordict.copy()
         reward = _required(tensordict, ("next", keys.reward), type(self).__name__)
+        done = _required(tensordict, ("next", keys.done), type(self).__name__)
         mask, _ = self._masks(tensordict, reward)
-        inputs.set(("next", keys.reward), reward * mask)
+        moved = _terminal_reward_on_last_action(reward, mask.bool(), done.bool(), self.time_dim or -2)
+        inputs.set(("next", keys.reward), moved * mask)
         rewritten = {("next", keys.reward)}
         if self.value_network is None:  # precomputed values: zero them here
             value = _required(tensordict, keys.value, type(self).__name__)
@@ -136,6 +143,22 @@ class ZeroedGAE(GAE):
     def value_estimate(self, tensordict: TensorDictBase, *args, **kwargs) -> Tensor:
         """The value target, without writing to ``tensordict``."""
         return super().value_estimate(self._rewritten(tensordict)[0], *args, **kwargs)
+
+
+def _terminal_reward_on_last_action(reward: Tensor, mask: Tensor, done: Tensor, time_dim: int) -> Tensor:
+    """``reward`` with each episode's reward on a masked last step moved to its last trainable step.
+
+    All ``[*B, T, 1]``; episodes end at ``done``. An episode without a trainable step keeps it.
+    """
+    reward, mask, done = (x.movedim(time_dim, -1) for x in (reward, mask.expand_as(reward), done))
+    steps = torch.arange(reward.shape[-1], device=reward.device).expand_as(reward)
+    starts = torch.cat((torch.ones_like(done[..., :1]), done[..., :-1]), -1)
+    episode_start = torch.where(starts, steps, 0).cummax(-1).values
+    last_action = torch.where(mask, steps, -1).cummax(-1).values
+    moving = done & ~mask & (last_action >= episode_start)
+    moved = torch.where(moving, 0.0, reward).scatter_add(
+        -1, last_action.clamp_min(0), torch.where(moving, reward, 0.0))
+    return moved.movedim(-1, time_dim)
 
 
 class TerminalOnlyGAE(MaskedGAE):

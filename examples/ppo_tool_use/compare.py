@@ -77,13 +77,27 @@ def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
     return PlannedRun(cfg, run_dir, "fresh")
 
 
+def sweep_points(command: CompareCommand) -> list[tuple[int | None, Config]]:
+    """``(swept value, base configuration)`` per point: one point ``(None, base)`` without
+    ``--sweep``, else one per value, each with its own output folder ``<output>/<NAME>=<V>``."""
+    if command.sweep is None:
+        return [(None, command.base)]
+    name, values = command.sweep
+    flag = name.replace("_", "-")
+    return [(value, replace(command.base, **{name: value},
+                            output=str(Path(command.base.output) / f"{flag}={value}")))
+            for value in values]
+
+
 def plan_runs(command: CompareCommand) -> list[PlannedRun]:
-    """One run per (seed, estimator), in a fixed order; checks every folder before any run."""
+    """One run per (swept value, seed, estimator), in a fixed order; checks every folder before
+    any run."""
     runs = []
-    for seed in command.seeds:
-        for estimator in command.estimators:
-            cfg = replace(command.base, estimator=estimator, seed=seed)
-            runs.append(plan_run(cfg, cfg.run_dir()))
+    for _, base in sweep_points(command):
+        for seed in command.seeds:
+            for estimator in command.estimators:
+                cfg = replace(base, estimator=estimator, seed=seed)
+                runs.append(plan_run(cfg, cfg.run_dir()))
     return runs
 
 
@@ -152,30 +166,59 @@ def _fmt_frames(frames: int | None) -> str:
     return "never" if frames is None else f"{frames:,}"
 
 
-def table(summaries: list[dict]) -> str:
-    """Per-run rows, then one mean row per estimator."""
+def groups(summaries: list[dict], swept: str | None) -> dict[tuple, list[dict]]:
+    """The runs of each (swept value, estimator), in order of appearance."""
+    out: dict[tuple, list[dict]] = {}
+    for s in summaries:
+        value = s["config"][swept] if swept else None
+        out.setdefault((value, s["config"]["estimator"]), []).append(s)
+    return out
+
+
+def group_statistics(runs: list[dict]) -> dict:
+    """Final greedy success (mean, std, min, max) and frames to the threshold over ``runs``."""
+    success = [s["final_success_rate"] for s in runs]
+    reached = [s["frames_to_threshold"] for s in runs if s["frames_to_threshold"] is not None]
+    return {
+        "seeds": len(runs),
+        "success_mean": statistics.mean(success),
+        "success_std": statistics.stdev(success) if len(success) > 1 else 0.0,
+        "success_min": min(success),
+        "success_max": max(success),
+        "runs_reaching_threshold": len(reached),
+        "frames_to_threshold_mean": statistics.mean(reached) if reached else None,
+        "wall_time_s_mean": statistics.mean(s["wall_time_s"] for s in runs),
+    }
+
+
+def table(summaries: list[dict], swept: str | None = None) -> str:
+    """Per-run rows, then one mean row per estimator (per swept value with ``--sweep``)."""
     pct = f"{SUCCESS_THRESHOLD:.0%}"
-    header = f"| estimator | seed | final greedy success | frames to {pct} | wall time (s) |"
-    lines = [header, "|---|---:|---:|---:|---:|"]
+    head = f"| {swept.replace('_', '-')} " if swept else ""
+    align = "---:|" if swept else ""
+    lines = [f"{head}| estimator | seed | final greedy success | frames to {pct} | wall time (s) |",
+             f"|{align}---|---:|---:|---:|---:|"]
+
+    def first(s):
+        return f"| {s['config'][swept]} " if swept else ""
+
     for s in summaries:
         cfg = s["config"]
         lines.append(
-            f"| {cfg['estimator']} | {cfg['seed']} | {s['final_success_rate']:.1%} | "
+            f"{first(s)}| {cfg['estimator']} | {cfg['seed']} | {s['final_success_rate']:.1%} | "
             f"{_fmt_frames(s['frames_to_threshold'])} | {s['wall_time_s']:.0f} |"
         )
-    for estimator in dict.fromkeys(s["config"]["estimator"] for s in summaries):
-        runs = [s for s in summaries if s["config"]["estimator"] == estimator]
-        success = [s["final_success_rate"] for s in runs]
-        reached = [s["frames_to_threshold"] for s in runs if s["frames_to_threshold"] is not None]
-        spread = f" ± {statistics.stdev(success):.1%}" if len(success) > 1 else ""
+    for (value, estimator), runs in groups(summaries, swept).items():
+        g = group_statistics(runs)
+        spread = f" ± {g['success_std']:.1%}" if g["seeds"] > 1 else ""
         frames = (
-            f"{statistics.mean(reached):,.0f} ({len(reached)}/{len(runs)} runs)" if reached
-            else f"never (0/{len(runs)} runs)"
+            f"{g['frames_to_threshold_mean']:,.0f} ({g['runs_reaching_threshold']}/{g['seeds']} runs)"
+            if g["runs_reaching_threshold"] else f"never (0/{g['seeds']} runs)"
         )
-        wall = statistics.mean(s["wall_time_s"] for s in runs)
+        lead = f"| {value} " if swept else ""
         lines.append(
-            f"| **{estimator} (mean)** | {len(runs)} seeds | {statistics.mean(success):.1%}"
-            f"{spread} | {frames} | {wall:.0f} |"
+            f"{lead}| **{estimator} (mean)** | {g['seeds']} seeds | {g['success_mean']:.1%}"
+            f"{spread} | {frames} | {g['wall_time_s_mean']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -188,21 +231,94 @@ def _csv_text(header: list[str], rows) -> str:
     return text.getvalue()
 
 
-def write_csvs(summaries: list[dict], output: Path) -> tuple[Path, Path]:
+def write_csvs(summaries: list[dict], output: Path, swept: str | None = None) -> tuple[Path, Path]:
+    """``summary.csv`` (a row per run) and ``curves.csv`` (a row per evaluation); with a sweep,
+    both start with the swept parameter's column."""
     summary_path, curves_path = output / "summary.csv", output / "curves.csv"
+    lead = [swept] if swept else []
+
+    def value(s):
+        return [s["config"][swept]] if swept else []
+
     utils.write_text_atomically(_csv_text(
-        ["estimator", "seed", "frames", "final_success_rate", "frames_to_threshold",
+        [*lead, "estimator", "seed", "frames", "final_success_rate", "frames_to_threshold",
          "success_threshold", "wall_time_s", "run_dir"],
-        ([s["config"]["estimator"], s["config"]["seed"], s["frames"], s["final_success_rate"],
-          s["frames_to_threshold"] or "", s["success_threshold"], round(s["wall_time_s"], 1),
-          s["run_dir"]] for s in summaries),
+        ([*value(s), s["config"]["estimator"], s["config"]["seed"], s["frames"],
+          s["final_success_rate"], s["frames_to_threshold"] or "", s["success_threshold"],
+          round(s["wall_time_s"], 1), s["run_dir"]] for s in summaries),
     ), summary_path)
     utils.write_text_atomically(_csv_text(
-        ["estimator", "seed", "frames", "success_rate", "wall_time_s"],
-        ([s["config"]["estimator"], s["config"]["seed"], point["frames"], point["success_rate"],
-          round(point["wall_time_s"], 1)] for s in summaries for point in s["history"]),
+        [*lead, "estimator", "seed", "frames", "success_rate", "wall_time_s"],
+        ([*value(s), s["config"]["estimator"], s["config"]["seed"], point["frames"],
+          point["success_rate"], round(point["wall_time_s"], 1)]
+         for s in summaries for point in s["history"]),
     ), curves_path)
     return summary_path, curves_path
+
+
+def write_sweep_csv(summaries: list[dict], output: Path, swept: str) -> Path:
+    """``sweep.csv``: one row per (swept value, estimator) with :func:`group_statistics`."""
+    path = output / "sweep.csv"
+    rows = []
+    for (value, estimator), runs in groups(summaries, swept).items():
+        g = group_statistics(runs)
+        rows.append([value, estimator, *(("" if v is None else round(v, 4) if isinstance(v, float)
+                                          else v) for v in g.values())])
+    fields = list(group_statistics(summaries[:1]))
+    utils.write_text_atomically(_csv_text([swept, "estimator", *fields], rows), path)
+    return path
+
+
+def plot_sweep(summaries: list[dict], path: Path, swept: str, env_id: str) -> Path:
+    """Final greedy success and frames to the threshold against the swept masked distance, one
+    line per estimator (mean over seeds, shaded min to max, a dot per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_group = groups(summaries, swept)
+    estimators = list(dict.fromkeys(e for _, e in by_group))
+    values = sorted({v for v, _ in by_group})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for color, estimator in zip(colors, estimators):
+        runs = [by_group[(v, estimator)] for v in values if (v, estimator) in by_group]
+        xs = [r[0]["config"][swept] for r in runs]
+        stats = [group_statistics(r) for r in runs]
+        left.plot(xs, [g["success_mean"] for g in stats], "-o", color=color, label=estimator)
+        left.fill_between(xs, [g["success_min"] for g in stats], [g["success_max"] for g in stats],
+                          color=color, alpha=0.15)
+        for x, r in zip(xs, runs):
+            left.scatter([x] * len(r), [s["final_success_rate"] for s in r], color=color, s=10,
+                         alpha=0.6)
+            reached = [s["frames_to_threshold"] for s in r if s["frames_to_threshold"] is not None]
+            right.scatter([x] * len(reached), reached, color=color, s=10, alpha=0.6)
+        means = [(x, g["frames_to_threshold_mean"]) for x, g in zip(xs, stats)
+                 if g["frames_to_threshold_mean"] is not None]
+        if means:
+            right.plot(*zip(*means), "-o", color=color,
+                       label=f"{estimator} ({sum(g['runs_reaching_threshold'] for g in stats)}/"
+                             f"{sum(g['seeds'] for g in stats)} runs reached)")
+    for ax in (left, right):
+        ax.set_xlim(min(values) / 1.5, max(values) * 1.5)  # set even where no run got there
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.set_xlabel(f"{swept.replace('_', ' ')} (masked tokens credit must cross)")
+        ax.grid(alpha=0.3)
+    left.axhline(SUCCESS_THRESHOLD, color="gray", linestyle=":", linewidth=1)
+    left.set_ylim(-0.02, 1.02)
+    left.set_ylabel("final greedy success (mean, min-max over seeds)")
+    right.set_ylabel(f"frames to {SUCCESS_THRESHOLD:.0%} greedy success (runs that got there)")
+    left.legend(loc="lower left")
+    right.legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"PPO on {env_id}: estimators against the masked distance")
+    fig.tight_layout()
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    fig.savefig(temporary, dpi=120)
+    plt.close(fig)
+    os.replace(temporary, path)
+    return path
 
 
 def plot(summaries: list[dict], path: Path, env_id: str) -> Path:
@@ -257,16 +373,22 @@ def run_compare_command(command: CompareCommand) -> int:
         print(f"\ninterrupted: {finished} of {len(runs)} runs finished; re-run the same command "
               "to resume the others", file=sys.stderr)
         return 130
-    summary_path, curves_path = write_csvs(summaries, Path(base.output))
-    png = plot(summaries, Path(base.output) / "curves.png", base.env)
+    swept = command.sweep[0] if command.sweep else None
+    output = Path(base.output)
+    summary_path, curves_path = write_csvs(summaries, output, swept)
+    if swept:
+        written = [write_sweep_csv(summaries, output, swept),
+                   plot_sweep(summaries, output / "sweep.png", swept, base.env)]
+    else:
+        written = [plot(summaries, output / "curves.png", base.env)]
     frames = sorted({s["frames"] for s in summaries})
     rounded = (f" (--frames {base.frames:,} rounded up to whole batches of "
                f"{base.frames_per_batch:,})" if frames != [base.frames] else "")
     print(f"\nPPO on {base.env}, {' / '.join(f'{f:,}' for f in frames)} frames per run{rounded}, "
           f"gamma={base.gamma}, lmbda={base.lmbda}, seeds {' '.join(map(str, command.seeds))}:\n")
-    print(table(summaries))
+    print(table(summaries, swept))
     print(f"\nTotal wall time {wall:.0f} s ({command.jobs} parallel jobs). "
-          f"Wrote {summary_path}, {curves_path} and {png}.")
+          f"Wrote {', '.join(str(p) for p in (summary_path, curves_path, *written))}.")
     return 0
 
 

@@ -24,8 +24,14 @@ import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-ESTIMATORS = ("masked", "plain")
+ESTIMATORS = ("masked", "plain", "zeroed", "terminal-only")
 """Values of ``--estimator``: see ``set_value_estimator`` in ``ppo_tool_use.py``."""
+ENCODERS = ("mlp", "attention")
+"""Values of ``--encoder``: see ``make_actor_critic`` in ``utils.py``."""
+BACKENDS = ("batched", "gym")
+"""Values of ``--backend``: see ``make_env`` in ``utils.py``."""
+ENV_OVERRIDES = ("response_len", "closing_len")
+"""``ToolUseEnv`` arguments a run may override (``--response-len``, ``--closing-len``)."""
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "none")
 """Values of ``--logger``: TorchRL logger backends (``none``: no logger)."""
 RUNTIME_FIELDS = ("output", "progress_bar", "threads")
@@ -46,8 +52,16 @@ class Config:
     """Gymnasium id of the environment (any registered id whose observations carry a
     ``"loss_mask"``: ``MaskedRL/ToolUse-v0``, ``MaskedRL/ToolUseHard-v0``, ...)."""
     estimator: str = "masked"
-    """Advantage estimator, one of :data:`ESTIMATORS`: ``masked`` (masked_rl.MaskedGAE) or
-    ``plain`` (TorchRL's GAE, every step a transition)."""
+    """Advantage estimator, one of :data:`ESTIMATORS`: ``masked`` (masked_rl.MaskedGAE),
+    ``plain`` (TorchRL's GAE, every step a transition, critic trained on every step), ``zeroed``
+    (values and rewards multiplied by the mask, then TorchRL's GAE) or ``terminal-only`` (the
+    reference system: GAE on trainable steps, the terminal reward moved to the last one)."""
+    response_len: int | None = None
+    """Override the tool-output length of a ``MaskedRL/ToolUse*`` id (None: the id's); the window
+    and the step budget then grow to fit the oracle plus two wasted turns."""
+    closing_len: int | None = None
+    """Override the closing-block length of a ``MaskedRL/ToolUse*`` id (None: the id's), with the
+    window and step budget grown as for ``response_len``."""
     frames: int = 2_000_000
     """Environment steps to train for, masked steps included (rounded up to whole batches)."""
     seed: int = 0
@@ -68,6 +82,15 @@ class Config:
     """Environments stepped together (a synchronous gymnasium vector env per worker)."""
     workers: int = 1
     """Collector processes; above 1, TorchRL's MultiSyncCollector splits num_envs over them."""
+    backend: str = "batched"
+    """Environment implementation, one of :data:`BACKENDS`: ``batched`` (tensor ops over all
+    environments, masked_rl_envs.ToolUseBatchedEnv, several times faster) or ``gym`` (gymnasium's
+    vector env in TorchRL's GymWrapper)."""
+    skip_masked_steps: bool = True
+    """Collect with masked_rl.SkipMaskedSteps: the policy network runs on trainable steps only."""
+    complete_episodes: bool = True
+    """masked_rl.CompleteEpisodes: each row's unfinished episode is held back and estimated with
+    the next batch, so no episode is cut at a batch end (no bootstrap inside a masked block)."""
     frames_per_batch: int = 16384
     """Environment steps per collected batch (per PPO iteration), ``num_envs`` rows of
     ``frames_per_batch / num_envs`` steps; about 1 in 10 is trainable. Long rows matter: a row
@@ -94,11 +117,20 @@ class Config:
     """Weight of the critic (squared error) loss, >= 0."""
     normalize_advantage: bool = True
     """Standardise advantages per minibatch (statistics over trainable steps only)."""
+    masked_value_targets: bool = False
+    """``masked`` and ``terminal-only``: also write value targets at masked steps and train the
+    critic on them (docs/semantics.md); ``plain`` always trains its critic on every step."""
+    critic_extra_steps: int = 256
+    """Steps that train the critic only (a value target, no action) added at random to each
+    minibatch, when the estimator has any (``plain``, or ``--masked-value-targets``)."""
     bootstrap_truncated: bool = False
     """Bootstrap from the critic when an episode hits the step budget (TorchRL's default).
     Off: running out of steps ends the episode like any failure."""
 
     # --- networks ------------------------------------------------------------------------------
+    encoder: str = "mlp"
+    """Token-window encoder, one of :data:`ENCODERS`: ``mlp`` (embeddings concatenated position
+    by position, tanh MLP) or ``attention`` (learned queries attending over the window)."""
     embed_dim: int = 8
     """Token embedding size; the window's embeddings are concatenated position by position."""
     hidden: int = 64
@@ -118,6 +150,12 @@ class Config:
         """Range checks that need nothing but the values (see :func:`check_config` for the rest)."""
         _require_choice("estimator", self.estimator, ESTIMATORS)
         _require_choice("logger", self.logger, LOGGERS)
+        _require_choice("encoder", self.encoder, ENCODERS)
+        _require_choice("backend", self.backend, BACKENDS)
+        for name in ENV_OVERRIDES:
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name), 4 if name == "response_len" else 1)
+        _require_int("critic_extra_steps", self.critic_extra_steps, 0)
         for name in ("env", "device", "output"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
@@ -134,7 +172,8 @@ class Config:
             _require_float(name, getattr(self, name), 0.0, math.inf)
         for name in ("gamma", "lmbda"):
             _require_float(name, getattr(self, name), 0.0, 1.0)
-        for name in ("progress_bar", "normalize_advantage", "bootstrap_truncated", "shared"):
+        for name in ("progress_bar", "normalize_advantage", "bootstrap_truncated", "shared",
+                     "skip_masked_steps", "complete_episodes", "masked_value_targets"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_envs % self.workers:
@@ -156,6 +195,28 @@ class Config:
     def steps_per_row(self) -> int:
         """Length ``T`` of a collected row: ``frames_per_batch / num_envs``."""
         return self.frames_per_batch // self.num_envs
+
+    def env_kwargs(self) -> dict:
+        """Constructor arguments overriding the id's (empty without ``response_len`` /
+        ``closing_len``): those given, and a window and step budget that fit them."""
+        overrides = {name: getattr(self, name) for name in ENV_OVERRIDES
+                     if getattr(self, name) is not None}
+        if not overrides:
+            return {}
+        import inspect
+
+        import gymnasium as gym
+
+        import masked_rl_envs  # noqa: F401  (registers the ids)
+        from masked_rl_envs import ToolUseEnv
+
+        spec = gym.spec(self.env.rpartition(":")[2])
+        defaults = {name: p.default for name, p in inspect.signature(ToolUseEnv).parameters.items()}
+        merged = {**defaults, **spec.kwargs, **overrides}
+        queries, call = merged["n_queries"], 2 if merged["call_prefix"] else 1
+        oracle = 2 * (1 + queries) + queries * (call + merged["response_len"]) + merged["closing_len"]
+        budget = oracle + 2 * (call + merged["response_len"])  # room for two wasted turns
+        return {**overrides, "window": budget, "max_steps": budget}
 
     def run_dir(self) -> Path:
         """The run folder of a fresh run: ``<output>/<estimator>-seed<seed>``."""
@@ -190,7 +251,7 @@ def _require_float(name, value, low, high, low_open=False):
 # --- checks that look outside the values ------------------------------------------------------
 
 
-def leading_environment_steps(env_id: str) -> int:
+def leading_environment_steps(env_id: str, **env_kwargs) -> int:
     """Steps an episode of ``env_id`` takes before its first trainable step (the prompt).
 
     Plays one episode from ``reset(seed=0)`` until its observation's ``"loss_mask"`` is 1;
@@ -199,7 +260,7 @@ def leading_environment_steps(env_id: str) -> int:
     import gymnasium as gym
     import numpy as np
 
-    env = gym.make(env_id)
+    env = gym.make(env_id, **env_kwargs)
     try:
         obs, _ = env.reset(seed=0)
         if not isinstance(obs, dict) or "loss_mask" not in obs:
@@ -239,7 +300,11 @@ def check_config(cfg: Config, run_dir: Path | None = None) -> None:
     if env_id not in gym.registry:
         known = ", ".join(sorted(i for i in gym.registry if i.startswith("MaskedRL/")))
         raise ValueError(f"env: unknown environment id {cfg.env!r} (registered: {known})")
-    leading = leading_environment_steps(cfg.env)
+    overrides = [name for name in ENV_OVERRIDES if getattr(cfg, name) is not None]
+    if overrides and "ToolUseEnv" not in str(gym.spec(env_id).entry_point):
+        raise ValueError(f"{', '.join(map(_flag, overrides))}: only for MaskedRL/ToolUse* ids, "
+                         f"got env {cfg.env!r}")
+    leading = leading_environment_steps(cfg.env, **cfg.env_kwargs())
     if cfg.steps_per_row <= leading:
         raise ValueError(
             f"rows of frames_per_batch / num_envs = {cfg.frames_per_batch} / {cfg.num_envs} = "
@@ -301,6 +366,10 @@ def check_writable_folder(name: str, folder: Path) -> None:
 class _OneLineErrors(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line, ``<prog>: error: <message>`` (exit 2)."""
 
+    def __init__(self, *args, **kwargs):
+        # No abbreviations: `--estimator` must not silently mean compare's `--estimators`.
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
@@ -347,9 +416,21 @@ def add_config_options(parser: argparse.ArgumentParser, defaults: Config, skip=(
         "layers": "hidden layers of the encoder",
         "shared": "one encoder for the policy and the critic",
         "eval_every": "frames between greedy evaluations and checkpoints",
+        "response_len": "override the id's tool-output length (window and budget grow to fit)",
+        "closing_len": "override the id's closing-block length (window and budget grow to fit)",
+        "backend": "environment implementation",
+        "skip_masked_steps": "run the policy network on trainable steps only while collecting",
+        "complete_episodes": "estimate each episode whole: hold back the unfinished one of each "
+                             "row for the next batch",
+        "masked_value_targets": "masked / terminal-only: train the critic on value targets at "
+                                "masked steps too",
+        "critic_extra_steps": "critic-only steps (a value target, no action) added to each "
+                              "minibatch",
+        "encoder": "token-window encoder",
         "eval_episodes": "greedy episodes per evaluation",
     }
-    choices = {"estimator": ESTIMATORS, "logger": LOGGERS}
+    choices = {"estimator": ESTIMATORS, "logger": LOGGERS, "encoder": ENCODERS,
+               "backend": BACKENDS}
     for field in fields(Config):
         if field.name in skip:
             continue
@@ -362,7 +443,7 @@ def add_config_options(parser: argparse.ArgumentParser, defaults: Config, skip=(
             parser.add_argument(_flag(field.name), choices=choices[field.name], default=s,
                                 help=help_text)
         else:
-            kind = int if field.name == "threads" else type(default)
+            kind = int if field.name in ("threads", *ENV_OVERRIDES) else type(default)
             parser.add_argument(_flag(field.name), type=kind, default=s, help=help_text,
                                 metavar=field.name.upper())
 
@@ -452,14 +533,35 @@ DEFAULT_COMPARE_FRAMES = 1_400_000
 """Frames per run of ``masked-rl compare`` (6 runs on 2 cores in under 15 minutes)."""
 
 
+SWEEPABLE = {"closing-len": "closing_len", "response-len": "response_len"}
+"""``--sweep`` parameters: the masked distance credit must cross (see ``Config``)."""
+
+
 @dataclass
 class CompareCommand:
-    """What ``masked-rl compare`` was asked: one run per (estimator, seed) from ``base``."""
+    """What ``masked-rl compare`` was asked: one run per (estimator, seed) from ``base``, and per
+    value of the swept parameter if ``sweep`` is ``(Config field, values)``."""
 
     base: Config
     seeds: list[int]
     jobs: int
-    estimators: tuple[str, ...] = ESTIMATORS
+    estimators: tuple[str, ...] = ("masked", "plain")
+    sweep: tuple[str, tuple[int, ...]] | None = None
+
+
+def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
+    """``"closing-len=4,64,256"`` -> ``("closing_len", (4, 64, 256))``; ``ValueError`` otherwise."""
+    name, _, values = text.partition("=")
+    if name not in SWEEPABLE or not values:
+        raise ValueError(f"--sweep must be NAME=V1,V2,... with NAME one of "
+                         f"{', '.join(SWEEPABLE)}, got {text!r}")
+    try:
+        numbers = tuple(int(v) for v in values.split(","))
+    except ValueError:
+        raise ValueError(f"--sweep values must be integers, got {values!r}") from None
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"--sweep values must be distinct, got {values!r}")
+    return SWEEPABLE[name], numbers
 
 
 def compare_defaults() -> Config:
@@ -479,10 +581,24 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
                         help="distinct seeds, each trained with every estimator (default: 0 1 2)")
     parser.add_argument("--jobs", type=int, default=2,
                         help="runs trained in parallel processes (default: 2)")
+    parser.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=["masked", "plain"],
+                        help="estimators to compare (default: masked plain)")
+    parser.add_argument("--sweep", metavar="NAME=V1,V2,...", default=None,
+                        help=f"also train every estimator and seed at each value of NAME (one of "
+                        f"{', '.join(SWEEPABLE)}: the masked distance credit must cross); writes "
+                        "sweep.csv and sweep.png, runs in <output>/<NAME>=<V>/")
     defaults = compare_defaults()
-    add_config_options(parser, defaults, skip=("estimator", "seed"))
+    add_config_options(parser, defaults, skip=("estimator", "seed", *SWEEPABLE.values()))
     args = vars(parser.parse_args(argv))
     seeds, jobs = args.pop("seeds"), args.pop("jobs")
+    estimators, sweep = tuple(args.pop("estimators")), args.pop("sweep")
+    if len(set(estimators)) != len(estimators):
+        parser.error(f"--estimators must be distinct, got {' '.join(estimators)}")
+    if sweep is not None:
+        try:
+            sweep = parse_sweep(sweep)
+        except ValueError as err:
+            parser.error(str(err))
     if jobs < 1:
         parser.error(f"--jobs must be >= 1, got {jobs}")
     if len(set(seeds)) != len(seeds):
@@ -494,11 +610,13 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
     for seed in seeds:
         config_from_options(parser, base, {"seed": seed})
     try:
-        # Everything but the seed and the estimator is shared by the runs.
-        check_config(base, run_dir=Path(base.output))
+        # Everything but the seed, the estimator and the swept value is shared by the runs.
+        for value in sweep[1] if sweep else (None,):
+            point = base if value is None else config_from_options(parser, base, {sweep[0]: value})
+            check_config(point, run_dir=Path(base.output))
     except ValueError as err:
         parser.error(str(err))
-    return CompareCommand(base, list(seeds), jobs)
+    return CompareCommand(base, list(seeds), jobs, estimators, sweep)
 
 
 @dataclass

@@ -46,15 +46,17 @@ from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 from torchrl.objectives.value import GAE
 from torchrl.record.loggers import get_logger
 
-from masked_rl import MaskedClipPPOLoss, select_trainable_steps
+from masked_rl import CompleteEpisodes, MaskedClipPPOLoss, SkipMaskedSteps, select_trainable_steps
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
     from . import utils
+    from .baselines import TerminalOnlyGAE, ZeroedGAE
     from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, Config,
                          EvalCommand, TrainCommand, changed_options, check_config,
                          parse_train_command)
 else:  # run as a script from this folder: python ppo_tool_use.py
     import utils
+    from baselines import TerminalOnlyGAE, ZeroedGAE
     from config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, Config,
                         EvalCommand, TrainCommand, changed_options, check_config,
                         parse_train_command)
@@ -111,13 +113,27 @@ def open_run_dir(run_dir: Path, cfg: Config, resume: bool) -> dict | None:
 
 def set_value_estimator(loss: MaskedClipPPOLoss, cfg: Config) -> None:
     """Install the ``--estimator`` on ``loss``; each is one line per value of ``ESTIMATORS``."""
+    gae = dict(gamma=cfg.gamma, lmbda=cfg.lmbda)
+    critic = loss.critic_network
     if cfg.estimator == "masked":  # masked_rl.MaskedGAE: GAE over the trainable steps
-        loss.make_value_estimator(gamma=cfg.gamma, lmbda=cfg.lmbda)
+        loss.make_value_estimator(**gae, masked_value_targets=cfg.masked_value_targets)
     elif cfg.estimator == "plain":  # TorchRL's GAE: every step a transition
-        loss.make_value_estimator(GAE(gamma=cfg.gamma, lmbda=cfg.lmbda,
-                                      value_network=loss.critic_network))
+        loss.make_value_estimator(GAE(**gae, value_network=critic))
+    elif cfg.estimator == "zeroed":  # values and rewards multiplied by the mask, then GAE
+        loss.make_value_estimator(ZeroedGAE(**gae, value_network=critic))
+    elif cfg.estimator == "terminal-only":  # the reference system: terminal reward only
+        loss.make_value_estimator(TerminalOnlyGAE(**gae, value_network=critic,
+                                                  masked_value_targets=cfg.masked_value_targets))
     else:
         raise ValueError(f"no value estimator for estimator={cfg.estimator!r}")
+
+
+def critic_on_masked_steps(cfg: Config) -> bool:
+    """Whether the critic also learns steps without an action: ``plain`` reads its critic at
+    every step (so it learns every step), ``masked`` and ``terminal-only`` with
+    ``--masked-value-targets``; ``zeroed`` multiplies masked values by 0 (trainable steps only)."""
+    return cfg.estimator == "plain" or (
+        cfg.masked_value_targets and cfg.estimator in ("masked", "terminal-only"))
 
 
 def make_loss(cfg: Config, actor, critic) -> MaskedClipPPOLoss:
@@ -129,6 +145,7 @@ def make_loss(cfg: Config, actor, critic) -> MaskedClipPPOLoss:
         critic_coeff=cfg.critic_coeff,
         loss_critic_type="l2",
         normalize_advantage=cfg.normalize_advantage,
+        masked_value_targets=critic_on_masked_steps(cfg),
     )
     set_value_estimator(loss, cfg)
     return loss
@@ -143,7 +160,8 @@ def make_collector(cfg: Config, policy, progress: Progress, snapshot: dict | Non
     frames = cfg.total_frames - progress.frames
     if cfg.workers == 1:
         collector = Collector(
-            utils.make_env(cfg.env, cfg.num_envs, cfg.device),
+            utils.make_env(cfg.env, cfg.num_envs, cfg.device, backend=cfg.backend,
+                           **cfg.env_kwargs()),
             policy,
             frames_per_batch=cfg.frames_per_batch,
             total_frames=frames,
@@ -151,7 +169,8 @@ def make_collector(cfg: Config, policy, progress: Progress, snapshot: dict | Non
             auto_register_policy_transforms=False,  # a feed-forward policy: nothing to add
         )
     else:
-        make_worker_env = partial(utils.make_env, cfg.env, cfg.num_envs // cfg.workers, "cpu")
+        make_worker_env = partial(utils.make_env, cfg.env, cfg.num_envs // cfg.workers, "cpu",
+                                  backend=cfg.backend, **cfg.env_kwargs())
         with utils.sigint_ignored():  # the workers leave Ctrl-C to this process
             collector = MultiSyncCollector(
                 [make_worker_env] * cfg.workers,
@@ -226,33 +245,55 @@ def end_truncated_episodes(batch: TensorDictBase) -> None:
     batch["next", "terminated"] = batch["next", "done"].clone()
 
 
-def estimate_advantages(loss: MaskedClipPPOLoss, batch: TensorDictBase) -> None:
+def estimate_advantages(loss: MaskedClipPPOLoss, batch: TensorDictBase, cfg: Config) -> None:
     """Advantages and value targets once per batch, on the full ``[num_envs, T]`` batch, from
-    the critic that collected it."""
+    the critic that collected it. ``plain``'s targets are meaningful at every step: its
+    ``value_target_mask`` is all true (the loss trains its critic there)."""
     with torch.no_grad():
         loss.value_estimator(batch)
+    if cfg.estimator == "plain" and critic_on_masked_steps(cfg):
+        batch["value_target_mask"] = torch.ones(batch.batch_size, dtype=torch.bool,
+                                                device=batch.device)
 
 
-def training_steps(batch: TensorDictBase) -> TensorDictBase:
-    """The steps that enter the replay buffer: the trainable ones, as a flat batch (the loss
-    trains on nothing else)."""
-    return select_trainable_steps(batch)
+def training_steps(batch: TensorDictBase, cfg: Config) -> tuple[TensorDictBase, TensorDictBase | None]:
+    """The steps that train: ``(trainable steps, critic-only steps or None)``, each a flat batch.
 
-
-def update(loss, optimizer, buffer: ReplayBuffer, steps: TensorDictBase,
-           cfg: Config) -> dict | None:
-    """``cfg.epochs`` passes of clipped-gradient Adam steps over ``steps`` in minibatches.
-
-    Returns the mean of each loss statistic, or ``None`` (no update) when ``steps`` holds no
-    trainable step.
+    Critic-only steps carry a value target but no action (``value_target_mask`` without
+    ``loss_mask``); they exist when :func:`critic_on_masked_steps`. Steps that
+    :class:`masked_rl.CompleteEpisodes` holds back for the next batch are in neither.
     """
-    if not steps["loss_mask"].any():
+    trainable = select_trainable_steps(batch)
+    if not critic_on_masked_steps(cfg):
+        return trainable, None
+    critic_only = batch["value_target_mask"].reshape(batch.batch_size) & (
+        batch["loss_mask"].reshape(batch.batch_size) == 0)
+    valid = batch.get(("collector", "mask"), None)
+    if valid is not None:
+        critic_only = critic_only & valid
+    return trainable, batch[critic_only]
+
+
+def update(loss, optimizer, buffer: ReplayBuffer, steps: tuple[TensorDictBase, TensorDictBase | None],
+           cfg: Config) -> dict | None:
+    """``cfg.epochs`` passes of clipped-gradient Adam steps over the trainable steps in minibatches.
+
+    ``steps`` is :func:`training_steps`'s pair: each minibatch of trainable steps gets
+    ``cfg.critic_extra_steps`` critic-only steps drawn at random (torch's generator). Returns
+    the mean of each loss statistic, or ``None`` (no update) when there is no trainable step.
+    """
+    trainable, critic_only = steps
+    if not trainable["loss_mask"].any():
         return None
+    extra = 0 if critic_only is None else min(cfg.critic_extra_steps, critic_only.shape[0])
     buffer.empty()
-    buffer.extend(steps)
+    buffer.extend(trainable)
     stats = defaultdict(list)
     for _ in range(cfg.epochs):
         for minibatch in buffer:
+            if extra:
+                drawn = torch.randint(critic_only.shape[0], (extra,), device=critic_only.device)
+                minibatch = torch.cat((minibatch, critic_only[drawn]))
             out = loss(minibatch)
             total = out["loss_objective"] + out["loss_entropy"] + out["loss_critic"]
             optimizer.zero_grad()
@@ -351,14 +392,17 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    eval_env = utils.make_env(cfg.env, cfg.eval_episodes, cfg.device)
-    max_episode_steps = utils.episode_step_limit(cfg.env)
+    eval_env = utils.make_env(cfg.env, cfg.eval_episodes, cfg.device, backend=cfg.backend,
+                              **cfg.env_kwargs())
+    max_episode_steps = utils.episode_step_limit(cfg.env, **cfg.env_kwargs())
     actor, critic = utils.make_actor_critic(
-        eval_env, cfg.embed_dim, cfg.hidden, cfg.layers, cfg.shared, cfg.device
+        eval_env, cfg.embed_dim, cfg.hidden, cfg.layers, cfg.shared, cfg.device, cfg.encoder
     )
     loss = make_loss(cfg, actor, critic)
     optimizer = torch.optim.Adam(loss.parameters(), lr=cfg.lr)
-    stateful = {"actor": actor, "critic": critic, "optimizer": optimizer}  # in checkpoints
+    complete = CompleteEpisodes()
+    stateful = {"actor": actor, "critic": critic, "optimizer": optimizer,  # in checkpoints
+                "complete_episodes": complete}
     progress = Progress()
     if checkpoint is not None:
         for name, part in stateful.items():
@@ -369,7 +413,8 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
     # Collector (none left to build when resuming a finished run), replay buffer, logger.
     collector = None
     if progress.frames < cfg.total_frames:
-        collector = make_collector(cfg, actor, progress,
+        policy = SkipMaskedSteps(actor) if cfg.skip_masked_steps else actor
+        collector = make_collector(cfg, policy, progress,
                                    checkpoint["collector"] if checkpoint is not None else None)
     buffer = make_replay_buffer(cfg)
     logger = make_logger(cfg, run_dir, progress)
@@ -398,9 +443,11 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
                 update_start = time.perf_counter()
                 if not cfg.bootstrap_truncated:
                     end_truncated_episodes(batch)
-                estimate_advantages(loss, batch)
+                # (with --complete-episodes: whole episodes, the unfinished ones held back)
+                whole = complete(batch) if cfg.complete_episodes else batch
+                estimate_advantages(loss, whole, cfg)
                 # Update.
-                stats = update(loss, optimizer, buffer, training_steps(batch), cfg)
+                stats = update(loss, optimizer, buffer, training_steps(whole, cfg), cfg)
                 if stats is None:
                     progress.skipped_updates += 1
                 collector.update_policy_weights_()
@@ -430,6 +477,10 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
             # Workers exit by themselves once told to close, but a worker's interpreter can
             # take seconds to tear torch down; by 80% of the timeout TorchRL terminates them.
             collector.shutdown(timeout=2.0)
+            # Freed now, not at interpreter exit: when an exception propagates, its traceback
+            # keeps this frame alive, and TorchRL's weight-sync objects then deadlock in their
+            # __del__ during interpreter finalization.
+            collector = None
         eval_env.close()
     status = "interrupted" if interrupt.requested else "completed"
     return write_summary(run_dir, cfg, progress, status)
@@ -460,12 +511,13 @@ def run_train_command(command: TrainCommand) -> int:
 def run_eval_command(command: EvalCommand) -> int:
     """Run ``masked-rl eval``: greedy success over seeded episodes, and a transcript."""
     cfg, checkpoint = command.config, command.state
-    env = utils.make_env(cfg.env, command.episodes, command.device)
+    env = utils.make_env(cfg.env, command.episodes, command.device, backend=cfg.backend,
+                         **cfg.env_kwargs())
     actor, _ = utils.make_actor_critic(env, cfg.embed_dim, cfg.hidden, cfg.layers, cfg.shared,
-                                       command.device)
+                                       command.device, cfg.encoder)
     actor.load_state_dict(checkpoint["actor"])
     seed = cfg.seed + EVAL_SEED_OFFSET if command.seed is None else command.seed
-    max_steps = utils.episode_step_limit(cfg.env)
+    max_steps = utils.episode_step_limit(cfg.env, **cfg.env_kwargs())
     result = utils.evaluate(actor, env, seed=seed, max_steps=max_steps)
     env.close()
     print(f"{cfg.env}, {cfg.estimator} GAE, seed {cfg.seed}, checkpoint at "
@@ -475,7 +527,7 @@ def run_eval_command(command: EvalCommand) -> int:
           f"{result['episode_length']:.1f} steps")
     if command.render:
         print(utils.greedy_transcript(actor, cfg.env, seed=seed, max_steps=max_steps,
-                                      device=command.device))
+                                      device=command.device, **cfg.env_kwargs()))
     return 0
 
 

@@ -22,28 +22,40 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import ActorValueOperator, ProbabilisticActor, ValueOperator
 
-from masked_rl_envs import make_torchrl_env
+from masked_rl_envs import ToolUseBatchedEnv, make_torchrl_env
+
+if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
+    from .encoders import AttentionWindowEncoder
+else:  # run as a script from this folder
+    from encoders import AttentionWindowEncoder
 
 
 # --- environment ---------------------------------------------------------------------------
 
 
-def make_env(env_id: str, num_envs: int, device: str = "cpu") -> EnvBase:
+def make_env(env_id: str, num_envs: int, device: str = "cpu", *, backend: str = "batched",
+             **env_kwargs) -> EnvBase:
     """``num_envs`` copies of ``env_id`` as one TorchRL env with batch size ``[num_envs]``.
 
-    :func:`masked_rl_envs.make_torchrl_env` with a synchronous gymnasium vector env: the toy
-    environments step in microseconds, so stepping them in turn in this process is several
-    times faster than one subprocess per env. Keys per step: ``"tokens"`` ``[W]``,
+    :func:`masked_rl_envs.make_torchrl_env`: ``backend="batched"`` steps every environment at
+    once with tensor ops (``masked_rl_envs.ToolUseBatchedEnv``, several times faster);
+    ``"gym"`` uses a synchronous gymnasium vector env (the toy environments step in
+    microseconds, so stepping them in turn in this process beats one subprocess per env).
+    ``env_kwargs`` override the id's constructor arguments. Keys per step: ``"tokens"`` ``[W]``,
     ``"loss_mask"`` int8 ``[1]`` (1 when the action of this step is the agent's),
     ``"is_success"``, ``"num_agent_tokens"``, ``"num_tool_calls"``, ``"action"`` (a token id),
     ``("next", "reward")``.
     """
-    return make_torchrl_env(env_id, num_envs=num_envs, device=device, vectorization="sync")
+    if backend == "batched":
+        return make_torchrl_env(env_id, num_envs=num_envs, device=device, backend="batched",
+                                **env_kwargs)
+    return make_torchrl_env(env_id, num_envs=num_envs, device=device, vectorization="sync",
+                            **env_kwargs)
 
 
-def episode_step_limit(env_id: str) -> int:
+def episode_step_limit(env_id: str, **env_kwargs) -> int:
     """The most steps an episode of ``env_id`` can take (its ``max_steps``)."""
-    env = gym.make(env_id)
+    env = gym.make(env_id, **env_kwargs)
     try:
         return int(env.unwrapped.max_steps)
     finally:
@@ -92,18 +104,20 @@ class TokenWindowEncoder(nn.Module):
 
 
 def make_actor_critic(env: EnvBase, embed_dim: int, hidden: int, layers: int,
-                      shared: bool = True, device="cpu"):
+                      shared: bool = True, device="cpu", encoder: str = "mlp"):
     """A categorical policy over the next token and a critic, both reading ``"tokens"``.
 
-    With ``shared``, one :class:`TokenWindowEncoder` feeds both heads (TorchRL's
-    ``ActorValueOperator``, as in its Atari PPO recipe); the critic's loss then also shapes the
-    features the policy reads.
+    ``encoder``: ``"mlp"`` (:class:`TokenWindowEncoder`) or ``"attention"``
+    (:class:`encoders.AttentionWindowEncoder`). With ``shared``, one encoder feeds both heads
+    (TorchRL's ``ActorValueOperator``, as in its Atari PPO recipe); the critic's loss then also
+    shapes the features the policy reads.
     """
     vocab_size = env.action_spec.space.n
     window = env.observation_spec["tokens"].shape[-1]
+    encoder_class = {"mlp": TokenWindowEncoder, "attention": AttentionWindowEncoder}[encoder]
 
     def encoder():
-        return TokenWindowEncoder(vocab_size, window, embed_dim, hidden, layers)
+        return encoder_class(vocab_size, window, embed_dim, hidden, layers)
 
     def policy_head(in_keys, module):
         return ProbabilisticActor(
@@ -176,13 +190,15 @@ def evaluate(actor, env: EnvBase, *, seed: int, max_steps: int) -> dict[str, flo
     }
 
 
-def greedy_transcript(actor, env_id: str, *, seed: int, max_steps: int, device="cpu") -> str:
+def greedy_transcript(actor, env_id: str, *, seed: int, max_steps: int, device="cpu",
+                      **env_kwargs) -> str:
     """The rendered transcript of one greedy episode of ``env_id``.
 
-    Seeded like :func:`evaluate`, so it is the first of the episodes that ``evaluate`` plays
-    with the same ``seed``.
+    A gymnasium environment, seeded like :func:`evaluate`: with ``backend="gym"`` it is the
+    first of the episodes that ``evaluate`` plays with the same ``seed`` (the batched backend
+    draws its tasks from torch's generator instead of NumPy's).
     """
-    env = make_torchrl_env(env_id, num_envs=1, device=device, render_mode="ansi")
+    env = make_torchrl_env(env_id, num_envs=1, device=device, render_mode="ansi", **env_kwargs)
     try:
         env.set_seed(seed)
         with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
@@ -315,30 +331,36 @@ def set_host_random_state(state: bytes) -> None:
 def collector_snapshot(collector) -> dict | None:
     """What a single-process ``Collector`` over :func:`make_env` needs to carry on exactly.
 
-    The state of every gymnasium environment (mid-episode: transcript, block, random generator)
-    and the collector's current observation, which TorchRL keeps in its private ``_carrier``:
+    The state of every environment mid-episode (the gymnasium environments' attributes, or the
+    batched environment's :meth:`~masked_rl_envs.ToolUseBatchedEnv.episode_state`) and the
+    collector's current observation, which TorchRL keeps in its private ``_carrier``:
     TorchRL 0.14 has no public way to restore a collector mid-episode (its ``load_state_dict``
     starts fresh episodes). ``None`` for a multi-process collector, whose environments live
     in its workers.
     """
     if not isinstance(collector, Collector):
         return None
-    environments = collector.env.unwrapped.get_attr("unwrapped")
-    return {
-        "environments": pickle.dumps([vars(env) for env in environments]),
-        "carrier": collector._carrier.to_dict(),
-    }
+    env = collector.env
+    if isinstance(env, ToolUseBatchedEnv):
+        environments = env.episode_state()
+    else:
+        environments = pickle.dumps([vars(e) for e in env.unwrapped.get_attr("unwrapped")])
+    return {"environments": environments, "carrier": collector._carrier.to_dict()}
 
 
 def restore_collector(collector, snapshot: dict) -> None:
     """Undo :func:`collector_snapshot` on a newly built collector over the same environments."""
-    environments = collector.env.unwrapped.get_attr("unwrapped")
-    states = pickle.loads(snapshot["environments"])
-    if len(states) != len(environments):
-        raise ValueError(f"the snapshot holds {len(states)} environments, the collector "
-                         f"{len(environments)}")
-    for env, state in zip(environments, states):
-        env.__dict__.update(state)
+    env = collector.env
+    if isinstance(env, ToolUseBatchedEnv):
+        env.set_episode_state(snapshot["environments"])
+    else:
+        environments = env.unwrapped.get_attr("unwrapped")
+        states = pickle.loads(snapshot["environments"])
+        if len(states) != len(environments):
+            raise ValueError(f"the snapshot holds {len(states)} environments, the collector "
+                             f"{len(environments)}")
+        for e, state in zip(environments, states):
+            e.__dict__.update(state)
     carrier = collector._carrier
     carrier.update(TensorDict(snapshot["carrier"], batch_size=carrier.batch_size,
                               device=carrier.device))

@@ -306,6 +306,7 @@ def test_partial_reset_and_final_observation():
 
 def test_rollout_waits_for_every_episode_to_end():
     """break_when_all_done: TorchRL's partial steps ("_step") hold the finished environments."""
+    torch.manual_seed(0)  # the random actions: none may answer and end an episode early
     env = ToolUseBatchedEnv(2, max_steps=10)
     env.set_seed(0)
     env.reset()
@@ -435,3 +436,46 @@ def test_bad_steps():
     assert td["truncated"].all()
     with pytest.raises(RuntimeError, match=r"environments \[0, 1\] whose episode ended"):
         env.step(td.set("action", torch.tensor([0, 0])))
+
+
+def test_episode_state_round_trip_continues_identically():
+    from masked_rl_envs.tool_use_batched import ToolUseBatchedEnv
+
+    a = ToolUseBatchedEnv(num_envs=3)
+    a.set_seed(0)
+    td = a.reset()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(25):
+        td["action"] = torch.randint(a.action_spec.space.n, (3,), generator=g)
+        _, td = a.step_and_maybe_reset(td)
+    saved, saved_td = a.episode_state(), td.clone()
+    b = ToolUseBatchedEnv(num_envs=3)
+    b.set_episode_state(saved)
+    td_b = saved_td.clone()
+    for _ in range(60):
+        action = torch.randint(a.action_spec.space.n, (3,), generator=g)
+        td["action"], td_b["action"] = action, action.clone()
+        out_a, td = a.step_and_maybe_reset(td)
+        out_b, td_b = b.step_and_maybe_reset(td_b)
+        assert (out_a == out_b).all()
+    with pytest.raises(ValueError, match="must have shape"):
+        ToolUseBatchedEnv(num_envs=2).set_episode_state(saved)
+
+
+def test_collector_seeded_after_construction_is_deterministic():
+    """A collector resets its environment when built; set_seed() afterwards must still decide
+    every episode (as with gymnasium's reset(seed=...))."""
+    from torchrl.collectors import Collector
+    from torchrl.envs.utils import RandomPolicy
+
+    from masked_rl_envs.tool_use_batched import ToolUseBatchedEnv
+
+    batches = []
+    for _ in range(2):
+        env = ToolUseBatchedEnv(num_envs=4)
+        torch.manual_seed(0)
+        collector = Collector(env, RandomPolicy(env.action_spec), frames_per_batch=200, total_frames=200)
+        collector.set_seed(7)
+        batches.append(next(iter(collector)))
+        collector.shutdown()
+    assert torch.equal(batches[0]["next", "tokens"], batches[1]["next", "tokens"])

@@ -18,8 +18,18 @@ from masked_rl_examples.ppo_tool_use.baselines import TerminalOnlyGAE, ZeroedGAE
 
 
 def serial_zeroed_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask, next_mask):
-    """Plain GAE, one step at a time, on values and rewards multiplied by the masks."""
+    """Plain GAE, one step at a time, on values and rewards multiplied by the masks, after each
+    episode's reward on a masked last step is moved to the episode's last trainable step."""
     horizon = len(value)
+    reward = list(reward)
+    start = 0
+    for end in range(horizon):
+        if done[end]:
+            actions = [t for t in range(start, end + 1) if mask[t]]
+            if actions and not mask[end]:
+                reward[actions[-1]] += reward[end]
+                reward[end] = 0.0
+            start = end + 1
     advantage, target = [0.0] * horizon, [0.0] * horizon
     carry = 0.0
     for t in reversed(range(horizon)):
@@ -153,7 +163,7 @@ def test_with_an_all_ones_mask_both_are_torchrl_gae():
     torch.testing.assert_close(terminal_only["advantage"], plain(td)["advantage"])
 
 
-def test_zeroed_drops_a_terminal_reward_on_a_masked_step_and_terminal_only_moves_it():
+def test_both_move_the_terminal_reward_and_drop_other_masked_rewards():
     # One episode: trainable steps 0 and 2, a shaping reward on masked step 1, the terminal
     # reward on masked step 4, values 0.
     mask = torch.tensor([[1, 0, 1, 0, 0]])
@@ -161,7 +171,9 @@ def test_zeroed_drops_a_terminal_reward_on_a_masked_step_and_terminal_only_moves
     done = torch.tensor([[0, 0, 0, 0, 1]], dtype=torch.bool).unsqueeze(-1)
     zeros = torch.zeros(1, 5, 1)
     td = as_tensordict(zeros, zeros, reward, done, done, mask, torch.tensor([[0, 1, 0, 0, 0]]))
-    assert ZeroedGAE(gamma=1.0, lmbda=1.0, value_network=None)(td.clone())["advantage"].abs().sum() == 0
+    # zeroed: every step a transition, so the moved reward also reaches the masked step 1.
+    zeroed = ZeroedGAE(gamma=1.0, lmbda=1.0, value_network=None)(td.clone())["advantage"]
+    assert zeroed.squeeze(-1).tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0]]
     advantage = TerminalOnlyGAE(gamma=1.0, lmbda=1.0, value_network=None)(td.clone())["advantage"]
     assert advantage.squeeze(-1).tolist() == [[1.0, 0.0, 1.0, 0.0, 0.0]]
 

@@ -44,7 +44,7 @@ def test_options_overlay_the_defaults(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"estimator": "gae"}, "estimator must be one of masked, plain, got 'gae'"),
+    [({"estimator": "gae"}, "estimator must be one of masked, plain, zeroed, terminal-only, got 'gae'"),
      ({"num_envs": 6, "workers": 4}, "multiple of workers"),
      ({"frames_per_batch": 100}, "multiple of num_envs"), ({"epochs": 0}, "epochs must be >= 1"),
      ({"lr": -1.0}, r"lr must be a finite number > 0, got -1.0"), ({"lr": 0.0}, "lr must be"),

@@ -205,10 +205,10 @@ def test_a_batch_without_trainable_steps_skips_its_update(tmp_path, monkeypatch)
     original = recipe.training_steps
     calls = []
 
-    def nothing_trainable_in_the_first_batch(batch):
+    def nothing_trainable_in_the_first_batch(batch, cfg):
         calls.append(batch)
-        steps = original(batch)
-        return steps[:0] if len(calls) == 1 else steps
+        trainable, critic_only = original(batch, cfg)
+        return (trainable[:0], critic_only) if len(calls) == 1 else (trainable, critic_only)
 
     monkeypatch.setattr(recipe, "training_steps", nothing_trainable_in_the_first_batch)
     summary = recipe.train(Config(**TINY_CONFIG, output=str(tmp_path)))
@@ -346,3 +346,89 @@ def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys
     assert compare.main([*argv[:-4], "--frames", "4096", "--jobs", "1", "--output",
                          str(tmp_path)]) == 2
     assert "holds a run with other options (frames differ)" in capsys.readouterr().err
+
+
+def test_an_error_during_training_with_workers_exits_instead_of_hanging(tmp_path):
+    """An exception raised mid-run with --workers 2 reaches the top and the process exits (TorchRL's
+    weight-sync objects used to deadlock at interpreter exit when the traceback kept them alive)."""
+    script = (
+        "from masked_rl_examples.ppo_tool_use import ppo_tool_use as recipe\n"
+        "from masked_rl_examples.ppo_tool_use.config import Config\n"
+        "def boom(*args, **kwargs): raise RuntimeError('boom')\n"
+        "recipe.estimate_advantages = boom\n"
+        "if __name__ == '__main__':\n"
+        f"    recipe.train(Config(**{dict(TINY_CONFIG, workers=2, output=str(tmp_path))!r}))\n"
+    )
+    path = tmp_path / "boom.py"
+    path.write_text(script)
+    result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "RuntimeError: boom" in result.stderr
+
+
+# --- estimators, critic targets, whole episodes, sweeps -------------------------------------
+
+
+@pytest.mark.parametrize("estimator, masked_value_targets", [
+    ("masked", False), ("masked", True), ("plain", False), ("zeroed", False),
+    ("terminal-only", False), ("terminal-only", True)])
+def test_every_estimator_trains(tmp_path, estimator, masked_value_targets):
+    cfg = Config(**TINY_CONFIG, output=str(tmp_path), estimator=estimator,
+                 masked_value_targets=masked_value_targets, critic_extra_steps=32)
+    summary = recipe.train(cfg)
+    assert summary["status"] == "completed" and summary["skipped_updates"] < summary["batches"]
+    critic = recipe.critic_on_masked_steps(cfg)
+    assert critic == (estimator == "plain" or masked_value_targets)
+
+
+def test_training_steps_and_the_critic_only_steps(tmp_path):
+    """The replay buffer gets the trainable steps of whole episodes; the critic-only steps are
+    masked steps that carry a value target (every valid masked step for plain)."""
+    cfg = Config(**TINY_CONFIG, output=str(tmp_path), estimator="plain")
+    env = make_env(TINY_ID, 8)
+    actor, critic = make_actor_critic(env, 4, 16, 1)
+    loss = recipe.make_loss(cfg, actor, critic)
+    from torchrl.collectors import Collector
+    from masked_rl import CompleteEpisodes
+    collector = Collector(env, actor, frames_per_batch=256, total_frames=512)
+    complete = CompleteEpisodes()
+    for batch in collector:
+        whole = complete(batch)
+        recipe.estimate_advantages(loss, whole, cfg)
+        trainable, critic_only = recipe.training_steps(whole, cfg)
+        valid = whole["collector", "mask"]
+        masked = whole["loss_mask"].squeeze(-1) == 0
+        assert trainable.shape[0] == int(whole["loss_mask"].sum())
+        assert critic_only.shape[0] == int((valid & masked).sum())
+        assert (critic_only["loss_mask"] == 0).all()
+    collector.shutdown()
+
+
+def test_env_overrides_grow_window_and_budget():
+    cfg = Config(env="MaskedRL/ToolUse-v0", closing_len=64)
+    kwargs = cfg.env_kwargs()
+    # v0: 2 queries, one-token calls, 16-token responses: 6 + 2 * 17 + 64 = 104, plus 2 * 17.
+    assert kwargs == {"closing_len": 64, "window": 138, "max_steps": 138}
+    assert Config().env_kwargs() == {}
+    with pytest.raises(ValueError, match="closing_len must be >= 1"):
+        Config(closing_len=0)
+
+
+def test_compare_sweep_writes_table_csv_and_figure(tmp_path, capsys):
+    argv = [*TINY, "--env", TINY_ID, "--frames", "512", "--seeds", "3", "--jobs", "1",
+            "--estimators", "masked", "zeroed", "--sweep", "closing-len=1,3", "--output",
+            str(tmp_path)]
+    assert compare.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| closing-len | estimator |" in out and "| 3 | **zeroed (mean)** |" in out
+    with (tmp_path / "sweep.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["closing_len"], r["estimator"]) for r in rows] == [
+        ("1", "masked"), ("1", "zeroed"), ("3", "masked"), ("3", "zeroed")]
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    for value in (1, 3):
+        config = json.loads((tmp_path / f"closing-len={value}" / "masked-seed3" / "config.json")
+                            .read_text())
+        assert config["closing_len"] == value
+    with pytest.raises(SystemExit):
+        compare.main([*argv, "--sweep", "window=1,2"])
+    assert "--sweep must be NAME=V1,V2,..." in capsys.readouterr().err
