@@ -74,7 +74,12 @@ from tqdm import tqdm
 
 from masked_rl.advantages import MaskedGAE
 from masked_rl.functional import masked_generalized_advantage_estimate
-from masked_rl_examples.ppo_tool_use.config import check_writable_folder
+from masked_rl_benchmarks.options import (
+    BENCH_SHAPES,
+    CUDA_EXTRA_SHAPES,
+    IMPLEMENTATIONS,
+    parse_bench_args,
+)
 
 __all__ = [
     "Workload",
@@ -86,10 +91,9 @@ __all__ = [
     "check_agreement",
     "cpu_peak_bytes",
     "main",
+    "run",
 ]
 
-DEFAULT_SHAPES = ((8, 32768), (32, 16384), (64, 4096), (256, 4096), (512, 1024), (1024, 1024))
-CUDA_EXTRA_SHAPES = ((256, 32768),)
 REFERENCE_CHUNK = 128  # the reference system's chunk
 # The CPU memory pass records every allocation with torch.profiler; for a Python loop over
 # time steps that is millions of events (gigabytes at 4x131072), so longer rows skip it.
@@ -97,17 +101,6 @@ PYTHON_LOOP_OVER_TIME = ("per_step",)
 CPU_MEMORY_MAX_LOOP_STEPS = 16384
 TORCHRL_FILTER_THRESHOLD = 1e-7  # TorchRL's _fast_vec_gae drops filter terms below this
 
-# key: (label in the table, the key whose time the ratio divides by)
-IMPLEMENTATIONS = {
-    "ours": ("masked_gae function (ours)", "ours"),
-    "ours_module": ("MaskedGAE on a TensorDict (ours)", "ours"),
-    "per_sample": ("per-sample packed chunk scan", "ours"),
-    "per_step": ("per-step loop over t", "ours"),
-    "reference": ("reference algorithm (per-row chunk-128 scan)", "ours"),
-    "floor": ("memory floor (one pass, 2 where)", "ours"),
-    "ours_all_ones": ("masked_gae, all-ones mask (ours)", "ours_all_ones"),
-    "torchrl_all_ones": ("TorchRL vec GAE, no mask", "ours_all_ones"),
-}
 
 
 # -- workload -----------------------------------------------------------------
@@ -237,7 +230,7 @@ def per_sample_packed_scan_gae(
 ) -> tuple[Tensor, Tensor]:
     """Masked GAE the per-sample way: compress each episode in a Python loop, pad, scan, scatter.
 
-    Same semantics as :func:`masked_rl.masked_generalized_advantage_estimate` (``SPEC.md``)
+    Same semantics as :func:`masked_rl.masked_generalized_advantage_estimate` (``docs/semantics.md``)
     on ``[N, T, 1]`` inputs; the next value between trainable steps is ``V[t_{j+1}]``.
     One host synchronisation for all episode ends, then one per episode (its ``nonzero``).
     """
@@ -349,7 +342,7 @@ def reference_algorithm_gae(
     fixed ``chunk x chunk`` upper-triangular matrix of powers of ``gamma * lmbda``, then the
     carry passed from the last chunk to the first by a Python loop over chunks; results
     scattered back. On one-episode rows whose masked rewards all lie in the tail this is
-    SPEC.md's masked GAE; :func:`check_agreement` checks it against ours before timing.
+    the masked GAE of docs/semantics.md; :func:`check_agreement` checks it against ours before timing.
     One host synchronisation per row (its ``nonzero``) and one per chunk step.
     """
     value, next_value, rew, term = _as_rows(state_value, next_state_value, reward, terminated)
@@ -639,54 +632,6 @@ def evaluate_targets(results: list[dict]) -> list[dict]:
 # -- command line ---------------------------------------------------------------
 
 
-def _parse_shape(text: str) -> tuple[int, int]:
-    try:
-        batch, steps = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is BATCHxSTEPS, e.g. 64x4096, got {text!r}")
-    if batch < 1 or steps < 1:
-        raise argparse.ArgumentTypeError(f"a shape needs positive sizes, got {text!r}")
-    return batch, steps
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="masked-rl bench",
-        description="Time masked GAE against a per-sample packed scan, a per-step loop and "
-        "TorchRL's vectorized GAE; print a table and write CSV and JSON.",
-    )
-    parser.add_argument("--shapes", type=_parse_shape, nargs="+", metavar="NxT",
-                        help="batch x steps (default: "
-                        + " ".join(f"{n}x{t}" for n, t in DEFAULT_SHAPES)
-                        + ", plus " + " ".join(f"{n}x{t}" for n, t in CUDA_EXTRA_SHAPES)
-                        + " on CUDA)")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    parser.add_argument("--repeats", type=int, default=11, help="timed rounds per shape (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
-    parser.add_argument("--min-time-ms", type=float, default=50.0,
-                        help="a timed sample repeats a fast call back to back until it spans "
-                        "about this long (calibrated in the last warmup round; default 50)")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="time per call by the wall clock (default) or by this process's CPU "
-                        "time, which other processes on a busy machine skew far less (use it "
-                        "with --threads 1; CPU only); the other clock goes to the CSV and JSON")
-    parser.add_argument("--gamma", type=float, default=1.0)
-    parser.add_argument("--lmbda", type=float, default=0.95)
-    parser.add_argument("--chunk", type=int, default=64, help="chunk of the per-sample scan")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--implementations", nargs="+", choices=tuple(IMPLEMENTATIONS),
-                        default=list(IMPLEMENTATIONS), metavar="NAME",
-                        help="subset of: " + ", ".join(IMPLEMENTATIONS)
-                        + " (a ratio needs its reference: ours / ours_all_ones)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads for the run (default: torch's choice)")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
-    parser.add_argument("--out", type=Path, default=Path("bench_results"),
-                        help="folder for bench.csv and bench.json (default bench_results/)")
-    return parser
-
-
 def _format_table(results: list[dict], header: list[str]) -> str:
     clock = results[0]["clock"] if results else "wall"
     columns = ("shape", "implementation", f"{clock} ms", "x ours", "x floor", "peak MiB")
@@ -716,20 +661,13 @@ def _format_table(results: list[dict], header: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit code (1 if implementations disagree)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0 or args.chunk < 1:
-        parser.error("--repeats and --chunk must be >= 1 and --warmup >= 0")
-    if not args.min_time_ms >= 0:  # nan too
-        parser.error(f"--min-time-ms must be >= 0, got {args.min_time_ms}")
-    try:  # before the benchmark runs, not after
-        check_writable_folder("--out", args.out)
-    except ValueError as err:
-        parser.error(str(err))
+    """``masked-rl bench``: parse the options (:func:`~masked_rl_benchmarks.options.parse_bench_args`) and :func:`run`."""
+    return run(parse_bench_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark on checked options; returns the exit code (1 if implementations disagree)."""
     device = torch.device(args.device)
-    if device.type == "cuda" and args.clock == "cpu":
-        parser.error("--clock cpu times the CPU only; use the wall clock with --device cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         print("masked-rl bench: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
@@ -737,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     load_before = _load_average()
-    shapes = args.shapes or list(DEFAULT_SHAPES) + (list(CUDA_EXTRA_SHAPES)
+    shapes = args.shapes or list(BENCH_SHAPES) + (list(CUDA_EXTRA_SHAPES)
                                                    if device.type == "cuda" else [])
     keys = [k for k in IMPLEMENTATIONS if k in args.implementations]
     measure_memory = not args.no_memory

@@ -54,10 +54,10 @@ from masked_rl.distributed import (
 )
 from masked_rl.functional import masked_generalized_advantage_estimate
 from masked_rl_benchmarks.bench import make_workload
+from masked_rl_benchmarks.options import parse_cp_args
 
-__all__ = ["count_collectives", "rebuild_gae", "main"]
+__all__ = ["count_collectives", "rebuild_gae", "main", "run"]
 
-DEFAULT_SHAPES = ((16, 32768), (4, 131072))
 IMPLEMENTATIONS = ("masked_rl_cp", "rebuild_per_sample", "rebuild_one_call")
 _COLLECTIVES = ("all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce",
                 "broadcast", "send", "recv", "isend", "irecv", "reduce_scatter",
@@ -187,39 +187,6 @@ def _worker(rank: int, cp: int, init_file: str, out_file: str, args: argparse.Na
     dist.destroy_process_group()
 
 
-def _shape(text: str) -> tuple[int, int]:
-    try:
-        batch, steps = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is BATCHxSTEPS, e.g. 16x32768, got {text!r}")
-    if batch < 1 or steps < 1:
-        raise argparse.ArgumentTypeError(f"a shape needs positive sizes, got {text!r}")
-    return batch, steps
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="masked-rl bench-cp",
-        description="Context-parallel masked GAE vs rebuilding full rows, on N gloo ranks.",
-    )
-    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="CP sizes (ranks); default 2 4")
-    parser.add_argument("--shapes", type=_shape, nargs="+", default=list(DEFAULT_SHAPES),
-                        help="BATCHxSTEPS shapes; default 16x32768 4x131072")
-    parser.add_argument("--layout", choices=("contiguous", "zigzag"), default="zigzag")
-    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (median); default 15")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first; default 2")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank; default 1")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--gamma", type=float, default=0.99)
-    parser.add_argument("--lmbda", type=float, default=0.95)
-    parser.add_argument("--tolerance", type=float, default=1e-4,
-                        help="largest relative disagreement accepted; default 1e-4 (float32)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"),
-                        help="folder for cp.csv and cp.json; default bench_results/")
-    return parser
-
-
 def _table(rows: list[dict]) -> str:
     lines = ["| cp | shape | implementation | collectives | bytes per rank | median ms | CPU ms | vs masked_rl_cp (time, bytes) |",
              "|---:|---|---|---:|---:|---:|---:|---|"]
@@ -235,18 +202,12 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; returns the exit code (1 if the implementations disagree)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if min(args.cp) < 1 or args.repeats < 1 or args.warmup < 0 or args.threads < 1:
-        parser.error("--cp, --repeats and --threads must be >= 1 and --warmup >= 0")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-        probe = args.out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        parser.error(f"--out {args.out} is not writable: {error}")
+    """``masked-rl bench-cp``: parse the options (:func:`~masked_rl_benchmarks.options.parse_cp_args`) and :func:`run`."""
+    return run(parse_cp_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark on checked options; returns the exit code (1 if the implementations disagree)."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"masked-rl bench-cp: {os.cpu_count()} CPUs, load average {load:.1f} before the run, "
           f"{args.threads} thread(s) per rank", file=sys.stderr)
@@ -265,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += json.loads(out_file.read_text())
     table = _table(rows)
     print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "cp.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()

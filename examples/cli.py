@@ -39,15 +39,21 @@ def _eval(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from masked_rl_benchmarks.bench import main
+    from masked_rl_benchmarks.options import parse_bench_args
 
-    return main(argv)
+    args = parse_bench_args(argv)
+    from masked_rl_benchmarks.bench import run
+
+    return run(args)
 
 
 def _bench_cp(argv: list[str]) -> int:
-    from masked_rl_benchmarks.cp import main
+    from masked_rl_benchmarks.options import parse_cp_args
 
-    return main(argv)
+    args = parse_cp_args(argv)
+    from masked_rl_benchmarks.cp import run
+
+    return run(args)
 
 
 _COMMANDS = {

@@ -40,11 +40,8 @@ from torch import Tensor
 
 from masked_rl.functional import (
     _LOW_PRECISION,
-    _check_discount,
-    _check_episode_flags,
-    _check_same_shape,
     _flat_nonzero,
-    check_loss_mask,
+    check_gae_inputs,
     masked_generalized_advantage_estimate,
 )
 
@@ -305,7 +302,7 @@ def cp_masked_generalized_advantage_estimate(
 
     Every rank of ``group`` calls it with its slice of the same rows (:func:`cp_shard` cuts
     them) and gets its slice of what the single-process function returns on the full rows:
-    every rule of ``SPEC.md`` holds across ranks (masked rewards credited to a trainable step
+    every rule of ``docs/semantics.md`` holds across ranks (masked rewards credited to a trainable step
     any number of ranks to the left, carries and bootstraps from the right, episode ends at or
     next to a slice border, slices and rows without trainable steps, NaN or inf at a masked step
     staying on its rank).
@@ -364,29 +361,8 @@ def cp_masked_generalized_advantage_estimate(
         True
         >>> dist.destroy_process_group()
     """
-    _check_same_shape(
-        "state_value",
-        state_value,
-        next_state_value=next_state_value,
-        reward=reward,
-        done=done,
-        terminated=terminated,
-    )
-    if state_value.ndim < 2:
-        raise ValueError(
-            f"state_value must have shape [*B, T, F] with a trailing feature dim, "
-            f"got {list(state_value.shape)}"
-        )
-    ndim = state_value.ndim
-    if not -ndim <= time_dim < ndim or time_dim % ndim == ndim - 1:
-        raise ValueError(
-            f"time_dim must index a dim of state_value {list(state_value.shape)} other than "
-            f"the trailing feature dim, got {time_dim}"
-        )
-    time_dim %= ndim
-    mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
-    gamma_f, lmbda_f = _check_discount("gamma", gamma), _check_discount("lmbda", lmbda)
-    done, terminated = _check_episode_flags(done, terminated)
+    time_dim, mask, gamma_f, lmbda_f, done, terminated = check_gae_inputs(
+        gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim)
     if not state_value.dtype.is_floating_point:
         raise ValueError(f"state_value must be a floating tensor, got {state_value.dtype}")
     if torch.is_grad_enabled() and any(
@@ -479,7 +455,10 @@ def cp_masked_generalized_advantage_estimate(
     gathered = gathered.view(cp, payload.numel())
     per_rank = len(held)
     seen = gathered[:, -per_rank:].tolist()
-    expected = [[float(lengths[j]) for j in _rank_chunks(q, cp, layout)] for q in range(cp)]
+    # Compared as sent, in the compute dtype (float32 holds lengths exactly up to 2**24 steps;
+    # beyond, two lengths within one rounding step would pass the check).
+    expected = torch.tensor([[lengths[j] for j in _rank_chunks(q, cp, layout)] for q in range(cp)],
+                            dtype=dtype).tolist()
     if seen != expected:
         raise ValueError(
             f"the ranks disagree on the chunk lengths: rank {rank} expects per-rank chunk lengths "

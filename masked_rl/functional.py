@@ -54,6 +54,7 @@ __all__ = [
     "masked_generalized_advantage_estimate",
     "masked_standardize",
     "check_loss_mask",
+    "check_gae_inputs",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -407,6 +408,41 @@ def _runs(marker: Tensor, *, numpy: bool | None = None) -> tuple[Tensor, Tensor,
     return pos, nxt, nxt == pos
 
 
+def check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, terminated,
+                     loss_mask, time_dim):
+    """The argument checks of :func:`masked_generalized_advantage_estimate` (and its CP twin).
+
+    Returns ``(time_dim, mask, gamma, lmbda, done, terminated)``: ``time_dim`` non-negative,
+    the mask as bool expanded to ``state_value``'s shape, ``gamma`` and ``lmbda`` as floats (or
+    their one-element tensors' values), the flags as bool. Raises ``ValueError`` naming the
+    argument, the expected and the received value.
+    """
+    _check_same_shape(
+        "state_value",
+        state_value,
+        next_state_value=next_state_value,
+        reward=reward,
+        done=done,
+        terminated=terminated,
+    )
+    if state_value.ndim < 2:
+        raise ValueError(
+            f"state_value must have shape [*B, T, F] with a trailing feature dim, "
+            f"got {list(state_value.shape)}"
+        )
+    ndim = state_value.ndim
+    if not -ndim <= time_dim < ndim or time_dim % ndim == ndim - 1:
+        raise ValueError(
+            f"time_dim must index a dim of state_value {list(state_value.shape)} other than "
+            f"the trailing feature dim, got {time_dim}"
+        )
+    time_dim %= ndim
+    mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
+    gamma_f, lmbda_f = _check_discount("gamma", gamma), _check_discount("lmbda", lmbda)
+    done, terminated = _check_episode_flags(done, terminated)
+    return time_dim, mask, gamma_f, lmbda_f, done, terminated
+
+
 def masked_generalized_advantage_estimate(
     gamma: float | Tensor,
     lmbda: float | Tensor,
@@ -476,29 +512,8 @@ def masked_generalized_advantage_estimate(
         >>> adv.squeeze(-1)
         tensor([[0.9000, 0.0000, 0.0000, 0.0000, 0.0000, 2.0000]])
     """
-    _check_same_shape(
-        "state_value",
-        state_value,
-        next_state_value=next_state_value,
-        reward=reward,
-        done=done,
-        terminated=terminated,
-    )
-    if state_value.ndim < 2:
-        raise ValueError(
-            f"state_value must have shape [*B, T, F] with a trailing feature dim, "
-            f"got {list(state_value.shape)}"
-        )
-    ndim = state_value.ndim
-    if not -ndim <= time_dim < ndim or time_dim % ndim == ndim - 1:
-        raise ValueError(
-            f"time_dim must index a dim of state_value {list(state_value.shape)} other than "
-            f"the trailing feature dim, got {time_dim}"
-        )
-    time_dim %= ndim
-    mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
-    gamma_f, lmbda_f = _check_discount("gamma", gamma), _check_discount("lmbda", lmbda)
-    done, terminated = _check_episode_flags(done, terminated)
+    time_dim, mask, gamma_f, lmbda_f, done, terminated = check_gae_inputs(
+        gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim)
 
     out_dtype = state_value.dtype
     if not out_dtype.is_floating_point:

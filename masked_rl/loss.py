@@ -25,6 +25,7 @@ from the policy and entropy terms (whatever it stores: NaN log-probs, out-of-ran
 and from the critic too unless ``masked_value_targets`` asks the critic to learn it. With
 ``reduction="none"`` the per-step outputs have shape ``[N]``.
 
+The rules and a worked case are in ``docs/semantics.md`` ("The loss side").
 The loss mask key is the loss's :attr:`loss_mask_key` (``tensor_keys.loss_mask``, one setting
 under two names). TorchRL's validity entries, ``("collector", "mask")`` and ``"shifted_valid"``,
 still count where present: a step trains only if it is trainable *and* valid.
@@ -46,7 +47,13 @@ from torchrl.objectives.value import ValueEstimatorBase
 from masked_rl.advantages import MaskedGAE
 from masked_rl.functional import check_loss_mask, masked_standardize
 
-__all__ = ["MaskedClipPPOLoss", "MaskedPPOLossMixin", "attach_masked_gae", "select_trainable_steps"]
+__all__ = [
+    "MaskedClipPPOLoss",
+    "MaskedPPOLossMixin",
+    "attach_masked_gae",
+    "select_trainable_steps",
+    "training_step_masks",
+]
 
 # TorchRL's own validity entries (its ``loss_mask_key="auto"``): padding from split
 # trajectories and the shifted value estimation's invalid last steps.
@@ -66,11 +73,43 @@ def _step_mask(tensordict: TensorDictBase, key: NestedKey, *, what: str) -> torc
     return check_loss_mask(flag, reference, key=key).squeeze(-1)
 
 
+def training_step_masks(
+    tensordict: TensorDictBase,
+    loss_mask_key: NestedKey = "loss_mask",
+    value_target_mask_key: NestedKey | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The bool ``[*B]`` masks of the steps that train: ``(policy steps, critic steps or None)``.
+
+    The one place the masked losses and :func:`select_trainable_steps` decide which steps
+    train. A step trains the policy if ``tensordict[loss_mask_key]`` is ``1`` and it is valid
+    (TorchRL's ``("collector", "mask")`` and ``"shifted_valid"``, where present); with
+    ``value_target_mask_key``, a step trains the critic if it carries a value target there
+    and is valid (``None``: the critic trains on the policy's steps). Flags have shape ``[*B]``
+    or ``[*B, 1]`` and hold bool or ``0`` / ``1`` numbers; anything else raises a
+    ``ValueError`` naming the key.
+    """
+    trainable = _step_mask(tensordict, loss_mask_key, what="loss mask (1 where the step is the policy's own)")
+    has_target = None
+    if value_target_mask_key is not None:
+        has_target = _step_mask(
+            tensordict, value_target_mask_key,
+            what="value target mask (written by MaskedGAE(masked_value_targets=True))",
+        )
+    for key in _VALIDITY_KEYS:
+        if key in tensordict.keys(include_nested=True):
+            valid = _step_mask(tensordict, key, what="validity mask")
+            trainable = trainable & valid
+            if has_target is not None:
+                has_target = has_target & valid
+    return trainable, has_target
+
+
 def select_trainable_steps(
     tensordict: TensorDictBase, loss_mask_key: NestedKey = "loss_mask"
 ) -> TensorDictBase:
-    """The steps of ``tensordict`` with ``loss_mask == 1``, as a flat ``[N]`` tensordict.
+    """The steps of ``tensordict`` that train the policy, as a flat ``[N]`` tensordict.
 
+    Those with ``loss_mask == 1`` that are valid (:func:`training_step_masks`).
     ``tensordict[loss_mask_key]`` must have shape ``[*B]`` or ``[*B, 1]`` (``*B`` the batch
     size) and hold bool or ``0`` / ``1`` numbers. Every entry is indexed, nested ones included.
 
@@ -82,7 +121,7 @@ def select_trainable_steps(
         >>> select_trainable_steps(td)["x"]
         tensor([1, 2, 3])
     """
-    return tensordict[_step_mask(tensordict, loss_mask_key, what="loss mask")]
+    return tensordict[training_step_masks(tensordict, loss_mask_key)[0]]
 
 
 class MaskedPPOLossMixin:
@@ -186,19 +225,9 @@ class MaskedPPOLossMixin:
                 # TorchRL updates the return statistics when its forward runs the estimator; the
                 # stock forward below sees the advantage present, so the update is made here.
                 self.advantage_norm.update(tensordict.get(keys.value_target)[trainable])
-        for key in _VALIDITY_KEYS:
-            if key in tensordict.keys(include_nested=True):
-                trainable = trainable & _step_mask(tensordict, key, what="validity mask")
-        critic_steps = None
-        if self.masked_value_targets:
-            has_target = _step_mask(
-                tensordict, keys.value_target_mask,
-                what="value target mask (written by MaskedGAE(masked_value_targets=True))",
-            )
-            for key in _VALIDITY_KEYS:
-                if key in tensordict.keys(include_nested=True):
-                    has_target = has_target & _step_mask(tensordict, key, what="validity mask")
-            critic_steps = tensordict[has_target]
+        trainable, has_target = training_step_masks(
+            tensordict, keys.loss_mask, keys.value_target_mask if self.masked_value_targets else None)
+        critic_steps = None if has_target is None else tensordict[has_target]
         policy_steps = tensordict[trainable]
         if policy_steps.batch_size.numel() == 0 and (critic_steps is None or critic_steps.batch_size.numel() == 0):
             raise ValueError(
@@ -366,6 +395,9 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
       ``0`` / ``1``; and ``value_target_mask`` (read with ``masked_value_targets``).
 
     Keyword Args:
+        loss_mask_key (NestedKey): the loss mask key, as ``set_keys(loss_mask=...)``
+            (``None`` and TorchRL's ``"auto"`` are refused: the validity entries always count).
+            Defaults to ``"loss_mask"``.
         masked_value_targets (bool): the default ``MaskedGAE`` also writes value targets at
             masked steps, and the critic term is a mean over every step carrying one
             (``value_target_mask``) instead of the trainable steps. Defaults to ``False``.
@@ -419,13 +451,15 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
 
-    def __init__(self, *args, masked_value_targets: bool = False, cp_group=None,
-                 cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None, **kwargs):
+    def __init__(self, *args, loss_mask_key: NestedKey = "loss_mask", masked_value_targets: bool = False,
+                 cp_group=None, cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None,
+                 **kwargs):
         # Read by the default estimator, built on first use.
         self.masked_value_targets = bool(masked_value_targets)
         self.cp_group, self.cp_layout, self.cp_chunk_lengths = cp_group, cp_layout, cp_chunk_lengths
         self.dp_group = dp_group
         super().__init__(*args, **kwargs)
+        self.loss_mask_key = loss_mask_key  # TorchRL's PPO losses would swallow it unread
 
 
 _MASKED_CLASSES[ClipPPOLoss] = MaskedClipPPOLoss

@@ -16,7 +16,7 @@ from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import GAE
 
 from masked_rl import MaskedClipPPOLoss, MaskedGAE, attach_masked_gae, masked_standardize
-from masked_rl.loss import select_trainable_steps
+from masked_rl.loss import select_trainable_steps, training_step_masks
 
 OBS_DIM, N_ACTIONS = 3, 4
 GAMMA, LMBDA = 0.9, 0.8
@@ -194,6 +194,35 @@ def test_one_mask_key_under_both_names(loss_cls):
     assert "trainable" in loss.in_keys and "m" not in loss.in_keys
     with pytest.raises(ValueError, match="needs a loss mask key"):
         loss.loss_mask_key = "auto"
+
+
+def test_masked_clip_takes_the_loss_mask_key_as_an_argument():
+    """``MaskedClipPPOLoss(loss_mask_key=...)`` is read, not swallowed by TorchRL's kwargs."""
+    actor, critic = actor_critic()
+    loss = MaskedClipPPOLoss(actor, critic, loss_mask_key="m")
+    assert loss.tensor_keys.loss_mask == loss.value_estimator.tensor_keys.loss_mask == "m"
+    td = rollout(actor)
+    expected = MaskedClipPPOLoss(actor, critic)(td.clone())
+    td.rename_key_("loss_mask", "m")
+    out = loss(td)
+    for key in expected.keys():
+        torch.testing.assert_close(out[key], expected[key], msg=key)
+    with pytest.raises(ValueError, match="needs a loss mask key"):
+        MaskedClipPPOLoss(actor, critic, loss_mask_key="auto")
+
+
+def test_select_trainable_steps_honours_torchrl_validity():
+    td = TensorDict({"loss_mask": torch.tensor([[1, 1, 0], [1, 0, 1]]), "x": torch.arange(6).view(2, 3),
+                     "collector": {"mask": torch.tensor([[True, False, True], [True, True, True]])}},
+                    batch_size=[2, 3])
+    assert select_trainable_steps(td)["x"].tolist() == [0, 3, 5]
+    td["value_target_mask"] = torch.tensor([[1, 1, 1], [0, 0, 1]], dtype=torch.bool)
+    trainable, has_target = training_step_masks(td, value_target_mask_key="value_target_mask")
+    assert trainable.tolist() == [[True, False, False], [True, False, True]]
+    assert has_target.tolist() == [[True, False, True], [False, False, True]]
+    td["loss_mask"] = torch.tensor([[1, 2, 0], [1, 0, 1]])
+    with pytest.raises(ValueError, match="loss_mask"):
+        select_trainable_steps(td)
 
 
 def test_torchrl_validity_mask_still_excludes_steps():

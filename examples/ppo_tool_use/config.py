@@ -363,7 +363,7 @@ def check_writable_folder(name: str, folder: Path) -> None:
 # --- command lines ----------------------------------------------------------------------------
 
 
-class _OneLineErrors(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line, ``<prog>: error: <message>`` (exit 2)."""
 
     def __init__(self, *args, **kwargs):
@@ -488,7 +488,7 @@ def read_run_config(run_dir: Path) -> Config:
 
 
 def train_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    parser = _OneLineErrors(
+    parser = OneLineErrorParser(
         prog=prog,
         description="PPO with masked GAE on a toy tool-use environment (TorchRL). The first "
         "Ctrl-C stops at the end of the current batch, writes a checkpoint and a summary marked "
@@ -570,7 +570,7 @@ def compare_defaults() -> Config:
 
 def parse_compare_command(argv: list[str] | None = None, prog: str | None = None) -> CompareCommand:
     """The options of ``masked-rl compare``, checked (one-line error and exit 2 otherwise)."""
-    parser = _OneLineErrors(
+    parser = OneLineErrorParser(
         prog=prog,
         description="PPO with masked GAE vs TorchRL's plain GAE over several seeds: a table, "
         "summary.csv, curves.csv and curves.png. Every training option of `train` applies to "
@@ -634,7 +634,7 @@ class EvalCommand:
 
 def parse_eval_command(argv: list[str] | None = None, prog: str | None = None) -> EvalCommand:
     """The options of ``masked-rl eval``, checked (one-line error and exit 2 otherwise)."""
-    parser = _OneLineErrors(
+    parser = OneLineErrorParser(
         prog=prog,
         description="Greedy success rate of a trained policy over N seeded episodes; --render "
         "also prints the transcript of one greedy episode.",

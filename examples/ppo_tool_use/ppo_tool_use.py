@@ -47,6 +47,7 @@ from torchrl.objectives.value import GAE
 from torchrl.record.loggers import get_logger
 
 from masked_rl import CompleteEpisodes, MaskedClipPPOLoss, SkipMaskedSteps, select_trainable_steps
+from masked_rl.loss import training_step_masks
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
     from . import utils
@@ -263,15 +264,10 @@ def training_steps(batch: TensorDictBase, cfg: Config) -> tuple[TensorDictBase, 
     ``loss_mask``); they exist when :func:`critic_on_masked_steps`. Steps that
     :class:`masked_rl.CompleteEpisodes` holds back for the next batch are in neither.
     """
-    trainable = select_trainable_steps(batch)
     if not critic_on_masked_steps(cfg):
-        return trainable, None
-    critic_only = batch["value_target_mask"].reshape(batch.batch_size) & (
-        batch["loss_mask"].reshape(batch.batch_size) == 0)
-    valid = batch.get(("collector", "mask"), None)
-    if valid is not None:
-        critic_only = critic_only & valid
-    return trainable, batch[critic_only]
+        return select_trainable_steps(batch), None
+    trainable, has_target = training_step_masks(batch, value_target_mask_key="value_target_mask")
+    return batch[trainable], batch[has_target & ~trainable]
 
 
 def update(loss, optimizer, buffer: ReplayBuffer, steps: tuple[TensorDictBase, TensorDictBase | None],

@@ -33,7 +33,7 @@ COMPARATORS = {
 
 
 def reference_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated, mask):
-    """The project's serial SPEC reference on ``[N, T]`` inputs, as ``[N, T]`` float64."""
+    """The project's serial reference (docs/semantics.md) on ``[N, T]`` inputs, as ``[N, T]`` float64."""
     advantage, target = serial_masked_gae_batch(gamma, lmbda, *as_inputs(value, next_value, reward,
                                                                           done, terminated, mask))
     return advantage.squeeze(-1), target.squeeze(-1)
@@ -94,7 +94,7 @@ def test_reference_is_torchrl_gae_with_an_all_ones_mask():
 
 @pytest.mark.parametrize("name", COMPARATORS)
 def test_comparators_worked_cases(name):
-    """SPEC worked cases 1 and 2: one gamma*lmbda across a gap, a masked terminal reward folds."""
+    """Worked cases 1 and 2 of docs/semantics.md: one gamma*lmbda across a gap, a masked terminal reward folds."""
     estimator = COMPARATORS[name]
     zeros = torch.zeros(1, 6, 1, dtype=torch.float64)
     done = torch.zeros(1, 6, 1, dtype=torch.bool)

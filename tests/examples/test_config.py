@@ -170,8 +170,9 @@ def test_help_imports_neither_torch_nor_the_environments():
     code = (
         "import sys\n"
         "from masked_rl_examples import cli\n"
-        "for argv in ([], ['--help'], ['train', '--help'], ['compare', '--help'],\n"
-        "             ['eval', '--help']):\n"
+        "for argv in ([], ['--help'], ['train', '--help'], ['compare', '--help'], ['bench', '--help'],\n"
+        "             ['eval', '--help'], ['bench-cp', '--help'], ['bench', '--repeats', '0'],\n"
+        "             ['bench-cp', '--cp', '0']):\n"
         "    try:\n"
         "        cli.main(argv)\n"
         "    except SystemExit:\n"
@@ -183,3 +184,6 @@ def test_help_imports_neither_torch_nor_the_environments():
                             timeout=120, check=True)
     assert result.stdout.splitlines()[-1] == "[]"
     assert "usage: masked-rl train" in result.stdout and "--resume RUN_DIR" in result.stdout
+    assert "usage: masked-rl bench " in result.stdout and "usage: masked-rl bench-cp" in result.stdout
+    assert "--repeats and --chunk must be >= 1" in result.stderr
+    assert "--cp, --repeats and --threads must be >= 1" in result.stderr
