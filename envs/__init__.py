@@ -11,8 +11,10 @@ interpreter:
   ``CALL <key>`` lookups, 48-token noisy responses, window 256, budget 256 steps, 0.01 cost per
   tool call, all-or-nothing reward (oracle: 166 steps, 10 of them the agent's).
 - ``MaskedRL/ToolUseClosing64-v0``: :data:`CLOSING64_KWARGS`: v0 with a 64-token closing block,
-  so the terminal reward arrives 64 masked steps after the answer; window = budget = 140 steps
-  (oracle: 104 steps, 5 of them the agent's; the same 36 spare steps as v0, two wasted turns).
+  so the terminal reward arrives 64 masked steps after the answer; a 74-token window (the whole
+  transcript up to the answer, two wasted turns included), budget 138 steps (oracle: 104 steps,
+  5 of them the agent's, plus two wasted turns). ``masked-rl train --closing-len 64`` on v0
+  builds the same environment.
 - ``MaskedRL/ToolUseLong64-v0``: :data:`LONG64_KWARGS`: v0 with 64-token tool outputs and *no*
   lookup bonus; window = budget = 272 steps (oracle: 140 steps, 5 of them the agent's; the
   budget and the window hold the oracle plus two wasted 65-step turns).
@@ -65,7 +67,7 @@ HARD_KWARGS = dict(
 )
 """Constructor arguments of ``MaskedRL/ToolUseHard-v0`` (oracle: 166 steps, 10 agent tokens)."""
 
-CLOSING64_KWARGS = dict(closing_len=64, window=140, max_steps=140)
+CLOSING64_KWARGS = dict(closing_len=64, window=74, max_steps=138)
 """Constructor arguments of ``MaskedRL/ToolUseClosing64-v0`` (oracle: 104 steps, 5 agent tokens)."""
 
 LONG64_KWARGS = dict(response_len=64, lookup_reward=0.0, window=272, max_steps=272)

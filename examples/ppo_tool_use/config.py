@@ -58,7 +58,8 @@ class Config:
     reference system: GAE on trainable steps, the terminal reward moved to the last one)."""
     response_len: int | None = None
     """Override the tool-output length of a ``MaskedRL/ToolUse*`` id (None: the id's); the window
-    and the step budget then grow to fit the oracle plus two wasted turns."""
+    grows to hold the transcript up to the answer and the step budget to fit the oracle, each
+    with two wasted turns (``Config.env_kwargs``)."""
     closing_len: int | None = None
     """Override the closing-block length of a ``MaskedRL/ToolUse*`` id (None: the id's), with the
     window and step budget grown as for ``response_len``."""
@@ -213,10 +214,12 @@ class Config:
         spec = gym.spec(self.env.rpartition(":")[2])
         defaults = {name: p.default for name, p in inspect.signature(ToolUseEnv).parameters.items()}
         merged = {**defaults, **spec.kwargs, **overrides}
-        queries, call = merged["n_queries"], 2 if merged["call_prefix"] else 1
-        oracle = 2 * (1 + queries) + queries * (call + merged["response_len"]) + merged["closing_len"]
-        budget = oracle + 2 * (call + merged["response_len"])  # room for two wasted turns
-        return {**overrides, "window": budget, "max_steps": budget}
+        queries, turn = merged["n_queries"], (2 if merged["call_prefix"] else 1) + merged["response_len"]
+        # The oracle's transcript up to its answer, plus two wasted turns: what the window must
+        # hold to answer; the budget adds the closing block.
+        before_closing = 2 * (1 + queries) + (queries + 2) * turn
+        budget = before_closing + merged["closing_len"]
+        return {**overrides, "window": max(merged["window"], before_closing), "max_steps": budget}
 
     def run_dir(self) -> Path:
         """The run folder of a fresh run: ``<output>/<estimator>-seed<seed>``."""

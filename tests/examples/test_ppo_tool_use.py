@@ -406,8 +406,10 @@ def test_training_steps_and_the_critic_only_steps(tmp_path):
 def test_env_overrides_grow_window_and_budget():
     cfg = Config(env="MaskedRL/ToolUse-v0", closing_len=64)
     kwargs = cfg.env_kwargs()
-    # v0: 2 queries, one-token calls, 16-token responses: 6 + 2 * 17 + 64 = 104, plus 2 * 17.
-    assert kwargs == {"closing_len": 64, "window": 138, "max_steps": 138}
+    # v0: 2 queries, one-token calls, 16-token responses: 6 + (2 + 2) * 17 = 74 steps before the
+    # closing block (two wasted turns included), then 64.
+    assert kwargs == {"closing_len": 64, "window": 74, "max_steps": 138}
+    assert Config(response_len=64).env_kwargs() == {"response_len": 64, "window": 266, "max_steps": 270}
     assert Config().env_kwargs() == {}
     with pytest.raises(ValueError, match="closing_len must be >= 1"):
         Config(closing_len=0)
