@@ -379,6 +379,9 @@ class ToolUseBatchedEnv(EnvBase):
     def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
         g, (n,), dev, s = self.grammar, self.batch_size, self.device, self._state
         action = tensordict.get("action")
+        if action.is_floating_point() or action.is_complex() or action.dtype == torch.bool:
+            # 10.9 would become token 10: integer token ids (or one-hot integer vectors) only.
+            raise ValueError(f"action must be an integer tensor of token ids, got dtype {action.dtype}")
         if not self.categorical_action_encoding:
             action = action.argmax(-1)
         token = action.reshape(n).to(dev, torch.int64)

@@ -22,6 +22,7 @@ from torchrl.objectives.value.advantages import (
 from masked_rl.distributed import LAYOUTS as CP_LAYOUTS
 from masked_rl.distributed import cp_masked_generalized_advantage_estimate
 from masked_rl.functional import (
+    _check_discount,
     check_loss_mask,
     masked_generalized_advantage_estimate,
     masked_standardize,
@@ -137,6 +138,9 @@ class MaskedGAE(GAE):
 
     def __init__(self, *, masked_value_targets: bool = False, cp_group=None,
                  cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None, **kwargs):
+        for name in ("gamma", "lmbda"):  # at construction, not first at forward
+            if name in kwargs:
+                _check_discount(name, kwargs[name])
         super().__init__(**kwargs)
         if not isinstance(masked_value_targets, bool):
             raise TypeError(f"masked_value_targets must be a bool, got {masked_value_targets!r}")

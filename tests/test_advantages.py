@@ -351,3 +351,13 @@ def test_gym_env_rollout_goes_through_masked_gae_unchanged():
     for last_action in (5, 13):
         expected = rollout["next", "reward"][last_action + 2] - v[last_action]
         torch.testing.assert_close(rollout["advantage"][last_action], expected)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gamma=-1.0, lmbda=0.95), r"gamma must be in \[0, 1\], got -1.0"),
+    (dict(gamma=0.99, lmbda=float("nan")), r"lmbda must be in \[0, 1\], got nan"),
+    (dict(gamma=torch.tensor([0.9, 0.8]), lmbda=0.95), "gamma must be a float or a one-element tensor"),
+])
+def test_bad_gamma_or_lmbda_is_refused_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MaskedGAE(value_network=None, **kwargs)

@@ -432,6 +432,9 @@ def test_bad_steps():
         td = env.step(td.set("action", torch.tensor([0, 0])))["next"]
     with pytest.raises(ValueError, match=r"action must be a token id in \[0, 17\) .* got \[17\] in environments \[1\]"):
         env.step(td.set("action", torch.tensor([0, 17])))
+    for bad in (torch.tensor([0.0, 10.9]), torch.tensor([True, False])):
+        with pytest.raises(ValueError, match=rf"action must be an integer tensor of token ids, got dtype {bad.dtype}"):
+            env.step(td.clone().set("action", bad))
     td = env.step(td.set("action", torch.tensor([0, 0])))["next"]
     assert td["truncated"].all()
     with pytest.raises(RuntimeError, match=r"environments \[0, 1\] whose episode ended"):
