@@ -84,9 +84,10 @@ def sweep_points(command: CompareCommand) -> list[tuple[int | None, Config]]:
         return [(None, command.base)]
     name, values = command.sweep
     flag = name.replace("_", "-")
-    return [(value, replace(command.base, **{name: value},
+    frames = command.sweep_frames or (command.base.frames,) * len(values)
+    return [(value, replace(command.base, **{name: value}, frames=value_frames,
                             output=str(Path(command.base.output) / f"{flag}={value}")))
-            for value in values]
+            for value, value_frames in zip(values, frames)]
 
 
 def plan_runs(command: CompareCommand) -> list[PlannedRun]:
@@ -262,10 +263,10 @@ def write_sweep_csv(summaries: list[dict], output: Path, swept: str) -> Path:
     rows = []
     for (value, estimator), runs in groups(summaries, swept).items():
         g = group_statistics(runs)
-        rows.append([value, estimator, *(("" if v is None else round(v, 4) if isinstance(v, float)
+        rows.append([value, estimator, runs[0]["frames"], *(("" if v is None else round(v, 4) if isinstance(v, float)
                                           else v) for v in g.values())])
     fields = list(group_statistics(summaries[:1]))
-    utils.write_text_atomically(_csv_text([swept, "estimator", *fields], rows), path)
+    utils.write_text_atomically(_csv_text([swept, "estimator", "frames", *fields], rows), path)
     return path
 
 
@@ -382,8 +383,9 @@ def run_compare_command(command: CompareCommand) -> int:
     else:
         written = [plot(summaries, output / "curves.png", base.env)]
     frames = sorted({s["frames"] for s in summaries})
-    rounded = (f" (--frames {base.frames:,} rounded up to whole batches of "
-               f"{base.frames_per_batch:,})" if frames != [base.frames] else "")
+    asked = sorted(set(command.sweep_frames or (base.frames,)))
+    rounded = (f" ({' / '.join(f'{f:,}' for f in asked)} asked, rounded up to whole batches of "
+               f"{base.frames_per_batch:,})" if frames != asked else "")
     print(f"\nPPO on {base.env}, {' / '.join(f'{f:,}' for f in frames)} frames per run{rounded}, "
           f"gamma={base.gamma}, lmbda={base.lmbda}, seeds {' '.join(map(str, command.seeds))}:\n")
     print(table(summaries, swept))

@@ -550,6 +550,8 @@ class CompareCommand:
     jobs: int
     estimators: tuple[str, ...] = ("masked", "plain")
     sweep: tuple[str, tuple[int, ...]] | None = None
+    sweep_frames: tuple[int, ...] | None = None
+    """Frames per run at each swept value (``None``: ``base.frames`` at every value)."""
 
 
 def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
@@ -590,11 +592,15 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
                         help=f"also train every estimator and seed at each value of NAME (one of "
                         f"{', '.join(SWEEPABLE)}: the masked distance credit must cross); writes "
                         "sweep.csv and sweep.png, runs in <output>/<NAME>=<V>/")
+    parser.add_argument("--sweep-frames", metavar="F1,F2,...", default=None,
+                        help="frames per run at each --sweep value, in order (default: --frames "
+                        "at every value): longer episodes need more frames for as many decisions")
     defaults = compare_defaults()
     add_config_options(parser, defaults, skip=("estimator", "seed", *SWEEPABLE.values()))
     args = vars(parser.parse_args(argv))
     seeds, jobs = args.pop("seeds"), args.pop("jobs")
     estimators, sweep = tuple(args.pop("estimators")), args.pop("sweep")
+    sweep_frames = args.pop("sweep_frames")
     if len(set(estimators)) != len(estimators):
         parser.error(f"--estimators must be distinct, got {' '.join(estimators)}")
     if sweep is not None:
@@ -602,6 +608,16 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
             sweep = parse_sweep(sweep)
         except ValueError as err:
             parser.error(str(err))
+    if sweep_frames is not None:
+        if sweep is None:
+            parser.error("--sweep-frames needs --sweep")
+        try:
+            sweep_frames = tuple(int(v) for v in sweep_frames.split(","))
+        except ValueError:
+            parser.error(f"--sweep-frames must be integers, got {sweep_frames!r}")
+        if len(sweep_frames) != len(sweep[1]) or min(sweep_frames) < 1:
+            parser.error(f"--sweep-frames needs one positive frame count per --sweep value "
+                         f"({len(sweep[1])}), got {','.join(map(str, sweep_frames))}")
     if jobs < 1:
         parser.error(f"--jobs must be >= 1, got {jobs}")
     if len(set(seeds)) != len(seeds):
@@ -614,12 +630,14 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
         config_from_options(parser, base, {"seed": seed})
     try:
         # Everything but the seed, the estimator and the swept value is shared by the runs.
-        for value in sweep[1] if sweep else (None,):
+        for i, value in enumerate(sweep[1] if sweep else (None,)):
             point = base if value is None else config_from_options(parser, base, {sweep[0]: value})
+            if sweep_frames is not None:
+                point = config_from_options(parser, point, {"frames": sweep_frames[i]})
             check_config(point, run_dir=Path(base.output))
     except ValueError as err:
         parser.error(str(err))
-    return CompareCommand(base, list(seeds), jobs, estimators, sweep)
+    return CompareCommand(base, list(seeds), jobs, estimators, sweep, sweep_frames)
 
 
 @dataclass

@@ -93,6 +93,31 @@ def test_seeded_training_beats_a_random_policy(tmp_path):
 
 
 
+# The long-output configuration at reduced scale: the tiny task with 32-token tool outputs (the
+# answer is copied across 33 masked steps); the window holds the transcript up to the answer.
+TINY_LONG_ID = "MaskedRLTest/ToolUseTinyLong-v0"
+if TINY_LONG_ID not in gymnasium.registry:
+    gymnasium.register(
+        id=TINY_LONG_ID,
+        entry_point="masked_rl_envs.tool_use:ToolUseEnv",
+        kwargs=dict(n_keys=2, n_values=2, n_queries=1, response_len=32, closing_len=1, window=44,
+                    max_steps=80),
+    )
+
+
+def test_seeded_training_learns_through_long_tool_outputs(tmp_path):
+    """With 32-token tool outputs the recipe still learns to look the value up and copy it.
+
+    Answering without the lookup scores 1/2 at best; the run must pass 90 %.
+    """
+    cfg = Config(env=TINY_LONG_ID, frames=196_608, seed=0, output=str(tmp_path), progress_bar=False,
+                 threads=1, num_envs=32, frames_per_batch=4096, eval_every=16384, eval_episodes=64)
+    summary = recipe.train(cfg)
+    history = [round(h["success_rate"], 2) for h in summary["history"]]
+    assert history[0] < 0.5, history
+    assert summary["final_success_rate"] >= 0.9, history
+
+
 # --- interruption and resume ----------------------------------------------------------------
 
 # Eight batches, an evaluation and a checkpoint every two.
@@ -417,8 +442,8 @@ def test_env_overrides_grow_window_and_budget():
 
 def test_compare_sweep_writes_table_csv_and_figure(tmp_path, capsys):
     argv = [*TINY, "--env", TINY_ID, "--frames", "512", "--seeds", "3", "--jobs", "1",
-            "--estimators", "masked", "zeroed", "--sweep", "closing-len=1,3", "--output",
-            str(tmp_path)]
+            "--estimators", "masked", "zeroed", "--sweep", "closing-len=1,3", "--sweep-frames",
+            "512,1024", "--output", str(tmp_path)]
     assert compare.main(argv) == 0
     out = capsys.readouterr().out
     assert "| closing-len | estimator |" in out and "| 3 | **zeroed (mean)** |" in out
@@ -431,6 +456,13 @@ def test_compare_sweep_writes_table_csv_and_figure(tmp_path, capsys):
         config = json.loads((tmp_path / f"closing-len={value}" / "masked-seed3" / "config.json")
                             .read_text())
         assert config["closing_len"] == value
+        assert config["frames"] == {1: 512, 3: 1024}[value]
+    assert [int(r["frames"]) for r in rows] == [512, 512, 1024, 1024]
+    for bad, message in ((["--sweep-frames", "512"], "one positive frame count per --sweep value"),
+                         (["--sweep-frames", "a,b"], "--sweep-frames must be integers")):
+        with pytest.raises(SystemExit):
+            compare.main([*argv, *bad])
+        assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         compare.main([*argv, "--sweep", "window=1,2"])
     assert "--sweep must be NAME=V1,V2,..." in capsys.readouterr().err
