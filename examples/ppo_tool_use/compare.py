@@ -384,8 +384,10 @@ def run_compare_command(command: CompareCommand) -> int:
         written = [plot(summaries, output / "curves.png", base.env)]
     frames = sorted({s["frames"] for s in summaries})
     asked = sorted(set(command.sweep_frames or (base.frames,)))
-    rounded = (f" ({' / '.join(f'{f:,}' for f in asked)} asked, rounded up to whole batches of "
-               f"{base.frames_per_batch:,})" if frames != asked else "")
+    option = ("--sweep-frames " + ",".join(map(str, command.sweep_frames)) if command.sweep_frames
+              else f"--frames {base.frames:,}")
+    rounded = (f" ({option} rounded up to whole batches of {base.frames_per_batch:,})"
+               if frames != asked else "")
     print(f"\nPPO on {base.env}, {' / '.join(f'{f:,}' for f in frames)} frames per run{rounded}, "
           f"gamma={base.gamma}, lmbda={base.lmbda}, seeds {' '.join(map(str, command.seeds))}:\n")
     print(table(summaries, swept))

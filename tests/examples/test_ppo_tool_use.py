@@ -67,14 +67,19 @@ def test_env_actor_and_statistics_on_a_rollout(shared):
 # The default task takes a million frames or more; the learning test uses a small variant of the
 # same environment (one lookup of 2 keys, 4-token tool answers): the same skills (call the asked
 # key, copy the value out of the tool's answer across masked steps), about 10 steps an episode.
-TINY_ID = "MaskedRLTest/ToolUseTiny-v0"
-if TINY_ID not in gymnasium.registry:
-    gymnasium.register(
-        id=TINY_ID,
-        entry_point="masked_rl_envs.tool_use:ToolUseEnv",
-        kwargs=dict(n_keys=2, n_values=2, n_queries=1, response_len=4, closing_len=1, window=16,
-                    max_steps=24),
-    )
+def register_tiny(env_id: str, response_len: int, window: int, max_steps: int) -> str:
+    """Register a one-lookup, 2-key variant of ``ToolUseEnv`` once; returns its id."""
+    if env_id not in gymnasium.registry:
+        gymnasium.register(
+            id=env_id,
+            entry_point="masked_rl_envs.tool_use:ToolUseEnv",
+            kwargs=dict(n_keys=2, n_values=2, n_queries=1, response_len=response_len,
+                        closing_len=1, window=window, max_steps=max_steps),
+        )
+    return env_id
+
+
+TINY_ID = register_tiny("MaskedRLTest/ToolUseTiny-v0", response_len=4, window=16, max_steps=24)
 
 
 def test_seeded_training_beats_a_random_policy(tmp_path):
@@ -95,14 +100,8 @@ def test_seeded_training_beats_a_random_policy(tmp_path):
 
 # The long-output configuration at reduced scale: the tiny task with 32-token tool outputs (the
 # answer is copied across 33 masked steps); the window holds the transcript up to the answer.
-TINY_LONG_ID = "MaskedRLTest/ToolUseTinyLong-v0"
-if TINY_LONG_ID not in gymnasium.registry:
-    gymnasium.register(
-        id=TINY_LONG_ID,
-        entry_point="masked_rl_envs.tool_use:ToolUseEnv",
-        kwargs=dict(n_keys=2, n_values=2, n_queries=1, response_len=32, closing_len=1, window=44,
-                    max_steps=80),
-    )
+TINY_LONG_ID = register_tiny("MaskedRLTest/ToolUseTinyLong-v0", response_len=32, window=44,
+                             max_steps=80)
 
 
 def test_seeded_training_learns_through_long_tool_outputs(tmp_path):
