@@ -435,6 +435,20 @@ def check_modules(rec, key, n, rank, group, layout):
                 _assert_equal(out[name].detach(), expected[name].detach(), atol=1e-12, name=name)
     rec.case(key, "MaskedClipPPOLoss and attach_masked_gae, normalize_advantage", loss_case)
 
+    # masked_value_targets under CP: the critic term over every step with a target of the slice.
+    reference = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=critic, masked_value_targets=True)(full.clone())
+    expected_mvt = MaskedClipPPOLoss(actor, critic, normalize_advantage=False,
+                                     masked_value_targets=True)(shard(reference))
+    loss_mvt = MaskedClipPPOLoss(actor, critic, normalize_advantage=False, masked_value_targets=True,
+                                 cp_group=group, cp_layout=layout, cp_chunk_lengths=lengths)
+    loss_mvt.make_value_estimator("gae", gamma=0.9, lmbda=0.8)
+    got_mvt = loss_mvt(shard(full.clone()))
+
+    def loss_mvt_case():
+        for name in ("loss_objective", "loss_critic", "loss_entropy"):
+            _assert_equal(got_mvt[name].detach(), expected_mvt[name].detach(), atol=1e-12, name=name)
+    rec.case(key, "MaskedClipPPOLoss(masked_value_targets=True)", loss_mvt_case)
+
 
 def check_grid(rec, rank, cp_groups, dp_groups):
     """A 2 x 2 CP x DP grid: average_gae statistics over all four ranks' steps."""
@@ -457,6 +471,17 @@ def check_grid(rec, rank, cp_groups, dp_groups):
                 _assert_equal(got["advantage"], expected["advantage"], atol=1e-12, name="advantage")
                 _assert_equal(got["value_target"], expected["value_target"], name="value_target")
             rec.case(f"grid/4/{layout}", f"mvt={mvt}", case)
+
+    # Data parallelism alone: whole rows on every rank, statistics over the DP group's ranks.
+    got = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None, average_gae=True,
+                    dp_group=dp_group)(batches[dp_rank].clone())
+    both = torch.cat([MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None)(b.clone()) for b in batches])
+    both["advantage"] = masked_standardize(both["advantage"], both["loss_mask"])
+
+    def dp_case():
+        _assert_equal(got["advantage"], both[2 * dp_rank: 2 * dp_rank + 2]["advantage"], atol=1e-12,
+                      name="advantage")
+    rec.case("grid/4/contiguous", "dp_group only", dp_case)
 
 
 CHECKS = {
