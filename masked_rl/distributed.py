@@ -40,8 +40,8 @@ from torch import Tensor
 
 from masked_rl.functional import (
     _LOW_PRECISION,
+    _check_gae_inputs,
     _flat_nonzero,
-    check_gae_inputs,
     masked_generalized_advantage_estimate,
 )
 
@@ -361,10 +361,8 @@ def cp_masked_generalized_advantage_estimate(
         True
         >>> dist.destroy_process_group()
     """
-    time_dim, mask, gamma_f, lmbda_f, done, terminated = check_gae_inputs(
+    time_dim, mask, gamma_f, lmbda_f, done, terminated = _check_gae_inputs(
         gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim)
-    if not state_value.dtype.is_floating_point:
-        raise ValueError(f"state_value must be a floating tensor, got {state_value.dtype}")
     if torch.is_grad_enabled() and any(
         isinstance(x, Tensor) and x.requires_grad
         for x in (gamma, lmbda, state_value, next_state_value, reward)

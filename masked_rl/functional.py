@@ -54,7 +54,6 @@ __all__ = [
     "masked_generalized_advantage_estimate",
     "masked_standardize",
     "check_loss_mask",
-    "check_gae_inputs",
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -408,11 +407,12 @@ def _runs(marker: Tensor, *, numpy: bool | None = None) -> tuple[Tensor, Tensor,
     return pos, nxt, nxt == pos
 
 
-def check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, terminated,
+def _check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, terminated,
                      loss_mask, time_dim):
     """The argument checks of :func:`masked_generalized_advantage_estimate` (and its CP twin).
 
-    Returns ``(time_dim, mask, gamma, lmbda, done, terminated)``: ``time_dim`` non-negative,
+    Returns ``(time_dim, mask, gamma, lmbda, done, terminated)`` for a floating ``state_value``:
+    ``time_dim`` non-negative,
     the mask as bool expanded to ``state_value``'s shape, ``gamma`` and ``lmbda`` as floats (or
     their one-element tensors' values), the flags as bool. Raises ``ValueError`` naming the
     argument, the expected and the received value.
@@ -440,6 +440,8 @@ def check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, 
     mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
     gamma_f, lmbda_f = _check_discount("gamma", gamma), _check_discount("lmbda", lmbda)
     done, terminated = _check_episode_flags(done, terminated)
+    if not state_value.dtype.is_floating_point:
+        raise ValueError(f"state_value must be a floating tensor, got {state_value.dtype}")
     return time_dim, mask, gamma_f, lmbda_f, done, terminated
 
 
@@ -512,12 +514,10 @@ def masked_generalized_advantage_estimate(
         >>> adv.squeeze(-1)
         tensor([[0.9000, 0.0000, 0.0000, 0.0000, 0.0000, 2.0000]])
     """
-    time_dim, mask, gamma_f, lmbda_f, done, terminated = check_gae_inputs(
+    time_dim, mask, gamma_f, lmbda_f, done, terminated = _check_gae_inputs(
         gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim)
 
     out_dtype = state_value.dtype
-    if not out_dtype.is_floating_point:
-        raise ValueError(f"state_value must be a floating tensor, got {out_dtype}")
     dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
     horizon = state_value.shape[time_dim]
     if state_value.numel() == 0:

@@ -46,7 +46,7 @@ from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
 from torchrl.objectives.value import GAE
 from torchrl.record.loggers import get_logger
 
-from masked_rl import CompleteEpisodes, MaskedClipPPOLoss, SkipMaskedSteps, select_trainable_steps
+from masked_rl import CompleteEpisodes, MaskedClipPPOLoss, SkipMaskedSteps
 from masked_rl.loss import training_step_masks
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
@@ -264,10 +264,9 @@ def training_steps(batch: TensorDictBase, cfg: Config) -> tuple[TensorDictBase, 
     ``loss_mask``); they exist when :func:`critic_on_masked_steps`. Steps that
     :class:`masked_rl.CompleteEpisodes` holds back for the next batch are in neither.
     """
-    if not critic_on_masked_steps(cfg):
-        return select_trainable_steps(batch), None
-    trainable, has_target = training_step_masks(batch, value_target_mask_key="value_target_mask")
-    return batch[trainable], batch[has_target & ~trainable]
+    trainable, has_target = training_step_masks(
+        batch, value_target_mask_key="value_target_mask" if critic_on_masked_steps(cfg) else None)
+    return batch[trainable], None if has_target is None else batch[has_target & ~trainable]
 
 
 def update(loss, optimizer, buffer: ReplayBuffer, steps: tuple[TensorDictBase, TensorDictBase | None],
