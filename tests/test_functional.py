@@ -417,3 +417,10 @@ def test_numeric_done_and_terminated_equal_bool():
     data[3], data[4] = data[3].to(torch.int8), data[4].float()
     got = mgae(0.9, 0.9, *data)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_integer_values_raise():
+    values = torch.zeros(1, 3, 1, dtype=torch.int64)
+    done = torch.zeros(1, 3, 1, dtype=torch.bool)
+    with pytest.raises(ValueError, match="state_value must be a floating tensor, got torch.int64"):
+        mgae(0.9, 0.9, values, values, values, done, done, torch.ones(1, 3, dtype=torch.bool))
