@@ -407,6 +407,30 @@ def _runs(marker: Tensor, *, numpy: bool | None = None) -> tuple[Tensor, Tensor,
     return pos, nxt, nxt == pos
 
 
+def _bootstrap(next_value: Tensor, value_c: Tensor, pos: Tensor, nxt: Tensor, last: Tensor,
+               single: Tensor, term: Tensor) -> Tensor:
+    """Each marker's bootstrap: ``V'[nxt]`` where its run is single or its episode's last
+    (``0`` there if ``term[nxt]``), else ``V`` at the next marker (``value_c[j + 1]``).
+
+    Selections, never products, so a NaN or inf stored where it is not read cannot leak. On
+    the CPU without autograd ``V'[nxt]`` is gathered and only the few other markers (runs
+    longer than one step inside an episode, terminated ends) are overwritten in place.
+    """
+    at_end = next_value.index_select(0, nxt)
+    if at_end.device.type != "cpu" or _needs_autograd(next_value, value_c):
+        following = torch.cat((value_c[1:], value_c[:1]))  # V at the next marker (wraps)
+        bootstrap = _where(last | single, at_end, following)
+        return _zero_where(term.index_select(0, nxt), bootstrap)
+    out = at_end.numpy()
+    inner = np.flatnonzero(~(last | single).numpy())  # never the last marker: it is `last`
+    out[inner] = value_c.numpy()[inner + 1]
+    # A terminated step ends an episode, so it is the last step of its marker's run.
+    terminated = np.flatnonzero(term.numpy())
+    if terminated.size:
+        out[np.searchsorted(pos.numpy(), terminated, side="right") - 1] = 0.0
+    return at_end
+
+
 def _check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, terminated,
                      loss_mask, time_dim):
     """The argument checks of :func:`masked_generalized_advantage_estimate` (and its CP twin).
@@ -569,20 +593,27 @@ def masked_generalized_advantage_estimate(
     # V'[t_j] (equal to V[t_j + 1] in a rollout, and what TorchRL reads); else V[t_{j+1}].
     # Selections, never products: NaN or inf stored where it is not read must not leak.
     # (terminated implies done, checked above, so terminated[nxt] implies last.)
-    following = torch.cat((value_c[1:], value_c[:1]))  # V at the next marker (wraps at the end)
-    bootstrap = _where(last | single, next_value.index_select(0, nxt), following)
-    bootstrap = _zero_where(term.index_select(0, nxt), bootstrap)
+    bootstrap = _bootstrap(next_value, value_c, pos, nxt, last, single, term)
+    # On the CPU the few masked markers (episode starts before a first action) are zeroed by
+    # index; elsewhere, and under autograd, selected by ``train`` (the same bits either way).
+    masked_c = torch.from_numpy(np.flatnonzero(~train.numpy())) if train.device.type == "cpu" else None
+
+    def trainable_only(x: Tensor) -> Tensor:  # _where(train, x, 0.0); x is a temporary
+        if masked_c is None or _needs_autograd(x):
+            return _where(train, x, 0.0)
+        return x.index_fill_(0, masked_c, 0.0)
+
     if _needs_autograd(gamma_t):
         delta = bootstrap.mul_(gamma_t).add_(folded)
     else:
         delta = torch.add(folded, bootstrap, alpha=gamma_f)
-    delta = _where(train, delta.sub_(value_c), 0.0)
+    delta = trainable_only(delta.sub_(value_c))
     # The carry flows from j + 1 into an action j of the same episode; a masked marker gets 0.
     gate = last.logical_not() & train
     del folded, bootstrap
 
     advantage_c = _reverse_linear_scan(delta, gate, coefficients)
-    target_c = _where(train, advantage_c + value_c, 0.0)
+    target_c = trainable_only(advantage_c + value_c)
 
     moved_shape = state_value.movedim(time_dim, -1).shape
 

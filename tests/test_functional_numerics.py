@@ -19,6 +19,7 @@ from masked_rl import masked_generalized_advantage_estimate as mgae
 from masked_rl.functional import (
     _BITWISE_MIN,
     _any,
+    _bootstrap,
     _doubling_scan,
     _reverse_linear_scan,
     _run_sums,
@@ -229,6 +230,42 @@ def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
     torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12, equal_nan=True)
     assert got.isnan().sum() == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bootstrap_reads_the_rule_and_only_it(seed):
+    # The CPU fast path (gather, then sparse overwrites) against a plain loop over markers and
+    # against the selecting path (taken under autograd), bit for bit, with NaN and inf stored
+    # everywhere the rule does not read.
+    gen = torch.Generator().manual_seed(seed)
+    length = 400
+    end = torch.rand(length, generator=gen) < 0.05
+    end[-1] = True
+    term = end & (torch.rand(length, generator=gen) < 0.5)
+    marker = torch.rand(length, generator=gen) < [0.2, 0.6, 0.9, 1.0][seed]
+    marker[0] = True
+    marker[1:] |= end[:-1]
+    pos, nxt, single = _runs(marker)
+    last = end.index_select(0, nxt)
+    value_c = torch.randn(pos.numel(), generator=gen, dtype=torch.float64)
+    next_value = torch.randn(length, generator=gen, dtype=torch.float64)
+    next_value[1::3] = math.nan
+    next_value[2::7] = math.inf
+    want = []
+    for j, (p, e) in enumerate(zip(pos.tolist(), nxt.tolist())):
+        if term[e]:
+            want.append(0.0)
+        elif end[e] or p == e:
+            want.append(next_value[e].item())
+        else:
+            want.append(value_c[j + 1].item())
+    want = torch.tensor(want, dtype=torch.float64)
+    got = _bootstrap(next_value, value_c, pos, nxt, last, single, term)
+    selected = _bootstrap(next_value, value_c.clone().requires_grad_(), pos, nxt, last, single, term)
+    assert torch.equal(bits(got), bits(want))
+    assert torch.equal(bits(selected.detach()), bits(want))
+    assert bool(term.any())  # the terminated fix-up is exercised, and the other one
+    assert bool(single.all()) == (seed == 3)  # except on an all-marker stream
 
 
 def serial_scan(delta, gate, c):
