@@ -32,10 +32,12 @@ are scattered back. Memory is linear in ``L``; nothing of size ``T x T`` is buil
 no Python loop runs over rows, episodes or time steps.
 
 Selections that must not let a NaN or inf through (the carry across an episode end,
-masked markers, terminated bootstraps) are ``where``-selections, never products with
-a 0/1 mask; for large streams they run as bitwise masks (:func:`_where`), and the
-scan keeps its cheaper fused product only when the result proves it exact. On the
-CPU the ``nonzero`` and the reward runs use NumPy (faster single-threaded kernels).
+masked markers, terminated bootstraps) are selections, never products with a 0/1
+mask: ``where`` (bitwise masks for large streams, :func:`_where`) or, on the CPU, for
+the few markers that are not the common case (masked markers, terminated ends, runs
+longer than one step), index assignments. The scan keeps its cheaper fused product
+only when the result proves it exact. On the CPU the ``nonzero`` and the reward runs
+use NumPy (faster single-threaded kernels).
 
 Reference: Schulman et al., "High-Dimensional Continuous Control Using
 Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
