@@ -598,7 +598,9 @@ def masked_generalized_advantage_estimate(
     bootstrap = _bootstrap(next_value, value_c, pos, nxt, last, single, term)
     # On the CPU the few masked markers (episode starts before a first action) are zeroed by
     # index; elsewhere, and under autograd, selected by ``train`` (the same bits either way).
-    masked_c = torch.from_numpy(np.flatnonzero(~train.numpy())) if train.device.type == "cpu" else None
+    masked_c = None
+    if train.device.type == "cpu":
+        masked_c = torch.from_numpy(np.flatnonzero(~train.numpy()))
 
     def trainable_only(x: Tensor) -> Tensor:  # _where(train, x, 0.0); x is a temporary
         if masked_c is None or _needs_autograd(x):

@@ -235,8 +235,8 @@ def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
 @pytest.mark.parametrize("seed", range(4))
 def test_bootstrap_reads_the_rule_and_only_it(seed):
     # The CPU fast path (gather, then sparse overwrites) against a plain loop over markers and
-    # against the selecting path (taken under autograd), bit for bit, with NaN and inf stored
-    # everywhere the rule does not read.
+    # against the selecting path (taken under autograd), bit for bit, with NaN and inf in V' at
+    # steps the rule reads and at steps it must not read.
     gen = torch.Generator().manual_seed(seed)
     length = 400
     end = torch.rand(length, generator=gen) < 0.05
@@ -261,7 +261,8 @@ def test_bootstrap_reads_the_rule_and_only_it(seed):
             want.append(value_c[j + 1].item())
     want = torch.tensor(want, dtype=torch.float64)
     got = _bootstrap(next_value, value_c, pos, nxt, last, single, term)
-    selected = _bootstrap(next_value, value_c.clone().requires_grad_(), pos, nxt, last, single, term)
+    selected = _bootstrap(next_value, value_c.clone().requires_grad_(), pos, nxt, last, single,
+                          term)
     assert torch.equal(bits(got), bits(want))
     assert torch.equal(bits(selected.detach()), bits(want))
     assert bool(term.any())  # the terminated fix-up is exercised, and the other one
