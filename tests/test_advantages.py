@@ -361,3 +361,95 @@ def test_gym_env_rollout_goes_through_masked_gae_unchanged():
 def test_bad_gamma_or_lmbda_is_refused_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MaskedGAE(value_network=None, **kwargs)
+
+
+class CountingCritic(torch.nn.Module):
+    """A linear critic that records how many observations each call evaluates."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+        self.calls = []
+
+    def forward(self, obs):
+        self.calls.append(obs.shape[:-1].numel())
+        return self.linear(obs)
+
+
+def critic_rollout(seed, p_mask=0.3, p_done=0.1, batch=4, horizon=40):
+    g = torch.Generator().manual_seed(seed)
+    value, next_value, reward, done, terminated, mask = make_rollout(
+        batch, horizon, p_mask=p_mask, p_done=p_done, seed=seed, dtype=torch.float32)
+    obs = torch.randn(batch, horizon + 1, 3, generator=g)
+    # Cut rows, truncations (done, not terminated) and terminations all occur.
+    return TensorDict({"obs": obs[:, :-1], "loss_mask": mask.to(torch.int8),
+                       "next": {"obs": obs[:, 1:], "reward": reward, "done": done,
+                                "terminated": terminated}}, batch_size=[batch, horizon])
+
+
+def expected_reads(td):
+    trainable = td["loss_mask"].bool()
+    end = td["next", "done"].squeeze(-1).clone()
+    end[:, -1] = True
+    return trainable, trainable | (end & ~td["next", "terminated"].squeeze(-1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("p_mask", [0.05, 0.3, 1.0])
+def test_value_steps_read_equals_every_step_and_runs_the_critic_only_where_read(seed, p_mask):
+    torch.manual_seed(seed)
+    net = CountingCritic()
+    critic = TensorDictModule(net, in_keys=["obs"], out_keys=["state_value"])
+    td = critic_rollout(seed, p_mask=p_mask)
+    every, read = td.clone(), td.clone()
+    MaskedGAE(gamma=0.95, lmbda=0.9, value_network=critic, value_steps="all")(every)
+    assert sum(net.calls) >= td.numel()  # every step (TorchRL vmaps V and V' into one call)
+    net.calls.clear()
+    MaskedGAE(gamma=0.95, lmbda=0.9, value_network=critic)(read)  # "read" is the default
+    value_read, next_read = expected_reads(td)
+    assert net.calls == [int(value_read.sum()), int(next_read.sum())]
+    # Equal up to the matrix product's summation order on a smaller batch.
+    for key in ("advantage", "value_target"):
+        torch.testing.assert_close(read[key], every[key], rtol=1e-6, atol=1e-6, msg=key)
+    # The stored values: the critic's where read, NaN elsewhere (never read by the rule).
+    for key, where in (("state_value", value_read), (("next", "state_value"), next_read)):
+        torch.testing.assert_close(read[key][where], every[key][where], rtol=1e-6, atol=1e-6)
+        assert read[key][~where].isnan().all()
+
+
+def test_value_steps_read_with_the_loss_parameters_equals_every_step():
+    from torchrl.modules import ProbabilisticActor, ValueOperator
+
+    from masked_rl import MaskedClipPPOLoss
+
+    torch.manual_seed(0)
+    actor = ProbabilisticActor(TensorDictModule(torch.nn.Linear(3, 4), ["obs"], ["logits"]),
+                               in_keys=["logits"], distribution_class=torch.distributions.Categorical,
+                               return_log_prob=True)
+    critic = ValueOperator(torch.nn.Linear(3, 1), in_keys=["obs"])
+    td = critic_rollout(3)
+    td["action"] = torch.randint(4, td.shape)
+    td["action_log_prob"] = torch.randn(td.shape) - 1.4
+    out = {}
+    for steps in ("read", "all"):
+        loss = MaskedClipPPOLoss(actor, critic)
+        loss.make_value_estimator("gae", gamma=0.9, lmbda=0.8, value_steps=steps)
+        out[steps] = loss(td.clone())  # the estimator runs inside, with the loss's detached params
+    for name in ("loss_objective", "loss_critic", "loss_entropy"):
+        torch.testing.assert_close(out["read"][name], out["all"][name], rtol=1e-6, atol=1e-6)
+        assert out["read"][name].isfinite().all()
+
+
+@pytest.mark.parametrize("options", [dict(masked_value_targets=True), dict(shifted=True)])
+def test_value_steps_read_runs_every_step_where_the_loss_or_torchrl_needs_them(options):
+    net = CountingCritic()
+    critic = TensorDictModule(net, in_keys=["obs"], out_keys=["state_value"])
+    td = critic_rollout(1)
+    MaskedGAE(gamma=0.95, lmbda=0.9, value_network=critic, **options)(td)
+    assert sum(net.calls) >= td.numel()  # every step seen
+    assert not td["state_value"].isnan().any()
+
+
+def test_value_steps_is_checked():
+    with pytest.raises(ValueError, match=r"value_steps must be one of \('read', 'all'\), got 'some'"):
+        MaskedGAE(gamma=0.9, lmbda=0.9, value_network=None, value_steps="some")
