@@ -22,6 +22,7 @@ from torchrl.envs import EnvBase
 from torchrl.envs.utils import ExplorationType, set_exploration_type
 from torchrl.modules import ActorValueOperator, ProbabilisticActor, ValueOperator
 
+from masked_rl import SkipMaskedSteps
 from masked_rl_envs import ToolUseBatchedEnv, make_torchrl_env
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
@@ -170,11 +171,14 @@ def finished_episodes(batch: TensorDictBase) -> dict[str, float]:
 def evaluate(actor, env: EnvBase, *, seed: int, max_steps: int) -> dict[str, float]:
     """Greedy (argmax) success rate on the first episode of each of ``env``'s environments.
 
-    ``env.set_seed(seed)`` first, so every evaluation plays the same tasks.
+    ``env.set_seed(seed)`` first, so every evaluation plays the same tasks. The actor runs on
+    the agent's steps only (:class:`masked_rl.SkipMaskedSteps`: the same greedy actions there;
+    the environment ignores the others), which on 256-token tool outputs is 0.5 % of the steps.
     """
     env.set_seed(seed)
+    policy = actor if isinstance(actor, SkipMaskedSteps) else SkipMaskedSteps(actor)
     with set_exploration_type(ExplorationType.DETERMINISTIC):
-        rollout = env.rollout(max_steps, actor, break_when_any_done=False)
+        rollout = env.rollout(max_steps, policy, break_when_any_done=False)
     if rollout.ndim == 1:  # a single, unbatched environment
         rollout = rollout.unsqueeze(0)
     done = rollout["next", "done"].squeeze(-1)

@@ -115,3 +115,29 @@ def test_processes_started_under_sigint_ignored_ignore_it():
                                check=True)
     assert child.stdout.strip() == "True"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_evaluate_runs_the_actor_on_agent_steps_only_with_the_same_greedy_episodes():
+    from torchrl.envs.utils import ExplorationType, set_exploration_type
+
+    torch.manual_seed(0)
+    env = utils.make_env("MaskedRL/ToolUse-v0", 16)
+    actor, _ = utils.make_actor_critic(env, 8, 32, 1)
+    rows = []
+    actor.register_forward_pre_hook(lambda module, args: rows.append(args[0].batch_size.numel()))
+    result = utils.evaluate(actor, env, seed=3, max_steps=80)
+    agent_rows = sum(rows)
+    # The reference: the same seeded tasks, the unwrapped actor on every step.
+    env.set_seed(3)
+    rows.clear()
+    with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
+        rollout = env.rollout(80, actor, break_when_any_done=False)
+    assert sum(rows) == 16 * 80  # every env, every step
+    trainable = rollout["loss_mask"].squeeze(-1).bool()
+    # (+ 1: one row once, for the output shapes, while no step is the agent's yet)
+    assert 0 < agent_rows <= int(trainable.sum()) + 1 < 16 * 80 // 4
+    done = rollout["next", "done"].squeeze(-1)
+    first_end = done.int().argmax(-1)
+    expected = rollout["next", "is_success"][torch.arange(16), first_end].float().mean().item()
+    assert result["success_rate"] == expected
+    assert result["episode_length"] == (first_end + 1).float().mean().item()
