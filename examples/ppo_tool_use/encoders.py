@@ -1,7 +1,7 @@
 """Token-window encoders that can find a token anywhere in a long window.
 
 :class:`AttentionWindowEncoder` has the interface of ``TokenWindowEncoder`` in ``utils.py``
-(``tokens [*B, W] int64 -> [*B, hidden]``, same constructor arguments first): pass either as
+(``tokens [*B, W] integers -> [*B, hidden]``, same constructor arguments first): pass either as
 the recipe's encoder. This module imports only torch: copy it with the recipe.
 """
 
@@ -51,7 +51,7 @@ class AttentionWindowEncoder(nn.Module):
         rounds (int): attention rounds. Defaults to ``2``.
         chunk_size (int): windows per chunk. Defaults to ``4096``.
 
-    Shapes: ``tokens`` ``[*B, W]`` (int64) -> ``[*B, hidden]``.
+    Shapes: ``tokens`` ``[*B, W]`` (any integer dtype) -> ``[*B, hidden]``.
 
     Examples:
         >>> import torch
@@ -106,7 +106,7 @@ class AttentionWindowEncoder(nn.Module):
                 f"tokens must have shape [*B, {self.window}] (the window), got {list(tokens.shape)}"
             )
         batch_shape = tokens.shape[:-1]
-        flat = tokens.reshape(-1, self.window)
+        flat = tokens.reshape(-1, self.window).long()
         if flat.shape[0] <= self.chunk_size:
             features = self._encode(flat)
         else:

@@ -39,7 +39,8 @@ def make_env(env_id: str, num_envs: int, device: str = "cpu", *, backend: str = 
     """``num_envs`` copies of ``env_id`` as one TorchRL env with batch size ``[num_envs]``.
 
     :func:`masked_rl_envs.make_torchrl_env`: ``backend="batched"`` steps every environment at
-    once with tensor ops (``masked_rl_envs.ToolUseBatchedEnv``, several times faster);
+    once with tensor ops (``masked_rl_envs.ToolUseBatchedEnv``, several times faster; its
+    ``"tokens"`` are uint8 when the vocabulary fits);
     ``"gym"`` uses a synchronous gymnasium vector env (the toy environments step in
     microseconds, so stepping them in turn in this process beats one subprocess per env).
     ``env_kwargs`` override the id's constructor arguments. Keys per step: ``"tokens"`` ``[W]``,
@@ -48,8 +49,12 @@ def make_env(env_id: str, num_envs: int, device: str = "cpu", *, backend: str = 
     ``("next", "reward")``.
     """
     if backend == "batched":
+        # One byte per token when the vocabulary fits (8x less than int64 for every window the
+        # collector, the held-back episodes and the checkpoint copy); the encoders cast.
+        vocab_size = gym.make(env_id, **env_kwargs).unwrapped.grammar.vocab_size
+        tokens_dtype = torch.uint8 if vocab_size <= 256 else torch.int64
         return make_torchrl_env(env_id, num_envs=num_envs, device=device, backend="batched",
-                                **env_kwargs)
+                                tokens_dtype=tokens_dtype, **env_kwargs)
     return make_torchrl_env(env_id, num_envs=num_envs, device=device, vectorization="sync",
                             **env_kwargs)
 
@@ -88,7 +93,7 @@ class TokenWindowEncoder(nn.Module):
         hidden (int): hidden units per layer.
         layers (int): hidden layers.
 
-    Shapes: ``tokens`` ``[*B, W]`` (int64) -> ``[*B, hidden]``.
+    Shapes: ``tokens`` ``[*B, W]`` (any integer dtype) -> ``[*B, hidden]``.
     """
 
     def __init__(self, vocab_size: int, window: int, embed_dim: int, hidden: int, layers: int):
@@ -101,7 +106,7 @@ class TokenWindowEncoder(nn.Module):
         self.mlp = nn.Sequential(*body)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.embed(tokens))
+        return self.mlp(self.embed(tokens.long()))
 
 
 def make_actor_critic(env: EnvBase, embed_dim: int, hidden: int, layers: int,

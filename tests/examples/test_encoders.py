@@ -139,3 +139,19 @@ def test_docstring_example_runs():
 
     failed, attempted = doctest.testmod(encoders)
     assert failed == 0 and attempted > 0
+
+
+@pytest.mark.parametrize("encoder_class", [AttentionWindowEncoder, TokenWindowEncoder])
+def test_one_byte_tokens_give_the_int64_features(encoder_class):
+    from masked_rl_examples.ppo_tool_use import utils
+
+    torch.manual_seed(0)
+    encoder = encoder_class(17, 40, 8, 16, 1)
+    tokens = torch.randint(17, (6, 40))
+    assert torch.equal(encoder(tokens.to(torch.uint8)), encoder(tokens))
+    # The recipe's batched environments write one byte per token when the vocabulary fits.
+    env = utils.make_env("MaskedRL/ToolUse-v0", 2)
+    assert env.observation_spec["tokens"].dtype == torch.uint8
+    assert env.reset()["tokens"].dtype == torch.uint8
+    wide = utils.make_env("MaskedRL/ToolUse-v0", 2, n_values=300)
+    assert wide.observation_spec["tokens"].dtype == torch.int64
