@@ -7,8 +7,9 @@ processes. Output, under ``--output``: one run folder per (estimator, seed), ``s
 (one row per run), ``curves.csv`` (greedy success at every evaluation) and ``curves.png``.
 
 Resumable: :func:`plan_runs` looks at each run folder first. A finished run with the same
-options is reused, an interrupted one (a checkpoint without a finished summary) is resumed,
-and a folder holding a run with other options is an error before anything runs. The first
+options is reused, an interrupted one (a checkpoint without a finished summary) is resumed, a
+finished one with fewer ``--frames`` is extended from its checkpoint to the new budget, and a
+folder holding a run with other options is an error before anything runs. The first
 Ctrl-C stops every run at the end of its batch (each writes its checkpoint and an interrupted
 summary) and exits with status 130; the same command then picks up where it stopped.
 
@@ -70,7 +71,7 @@ def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
     summary_path = run_dir / SUMMARY_FILE
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
-        if summary["status"] == "completed":
+        if summary["status"] == "completed" and summary["total_frames"] >= cfg.total_frames:
             return PlannedRun(cfg, run_dir, "done", summary)
     if (run_dir / CHECKPOINT_FILE).is_file():
         return PlannedRun(cfg, run_dir, "resume")

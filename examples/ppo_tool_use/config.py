@@ -37,8 +37,9 @@ LOGGERS = ("csv", "tensorboard", "wandb", "mlflow", "none")
 RUNTIME_FIELDS = ("output", "progress_bar", "threads")
 """Fields that do not change what a run computes (``threads`` only up to floating-point
 summation order): ``compare`` ignores them when it matches an existing run folder."""
-RESUME_OPTIONS = ("progress_bar", "threads")
-"""The only options ``train --resume`` accepts: a resumed run keeps its saved configuration."""
+RESUME_OPTIONS = ("frames", "progress_bar", "threads")
+"""The only options ``train --resume`` accepts: a resumed run keeps its saved configuration,
+except that ``frames`` may grow (a finished run is extended)."""
 MAX_SEED = 2**32 - 1
 MAX_LEADING_STEPS = 100_000
 
@@ -474,9 +475,13 @@ SUMMARY_FILE = "summary.json"
 
 
 def changed_options(saved: Config, cfg: Config) -> list[str]:
-    """The fields in which ``cfg`` differs from ``saved``, ``RUNTIME_FIELDS`` aside."""
+    """The fields in which ``cfg`` differs from ``saved``, ``RUNTIME_FIELDS`` aside. More
+    ``frames`` than saved is not a change: the run goes on from its checkpoint and trains as a
+    run started with the larger budget (its history keeps the evaluation at the old budget's
+    end, an extra point when that end is off the ``eval_every`` schedule)."""
     return [f.name for f in fields(Config)
-            if f.name not in RUNTIME_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)]
+            if f.name not in RUNTIME_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)
+            and not (f.name == "frames" and cfg.frames > saved.frames)]
 
 
 def read_run_config(run_dir: Path) -> Config:
@@ -495,7 +500,8 @@ def train_parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog,
         description="PPO with masked GAE on a toy tool-use environment (TorchRL). The first "
         "Ctrl-C stops at the end of the current batch, writes a checkpoint and a summary marked "
-        "interrupted, and exits with status 130; --resume RUN_DIR continues such a run.",
+        "interrupted, and exits with status 130; --resume RUN_DIR continues such a run "
+        "(--resume RUN_DIR --frames N extends a finished one to N frames).",
     )
     parser.add_argument("--resume", metavar="RUN_DIR", type=Path, default=argparse.SUPPRESS,
                         help="continue the run in RUN_DIR from its last checkpoint, with its saved "
@@ -580,7 +586,8 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
         description="PPO with masked GAE vs TorchRL's plain GAE over several seeds: a table, "
         "summary.csv, curves.csv and curves.png. Every training option of `train` applies to "
         "both arms. Re-running the same command skips the finished runs and resumes the "
-        "interrupted ones (Ctrl-C stops every run at the end of its batch, exit status 130).",
+        "interrupted ones (Ctrl-C stops every run at the end of its batch, exit status 130); "
+        "with a larger --frames it extends the finished runs.",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                         help="distinct seeds, each trained with every estimator (default: 0 1 2)")

@@ -18,7 +18,7 @@ import torch
 
 from masked_rl_examples.ppo_tool_use import compare
 from masked_rl_examples.ppo_tool_use import ppo_tool_use as recipe
-from masked_rl_examples.ppo_tool_use.config import Config, parse_eval_command
+from masked_rl_examples.ppo_tool_use.config import Config, parse_eval_command, parse_train_command
 from masked_rl_examples.ppo_tool_use.utils import (
     TokenWindowEncoder,
     evaluate,
@@ -354,6 +354,11 @@ def test_masked_rl_compare_smoke_and_rerun(tmp_path):
     out = run(args, tmp_path)
     assert "reusing 2 finished run(s), resuming 0, starting 0" in out
     assert (tmp_path / "summary.csv").read_text() == summary_csv
+    # With a larger budget the finished runs are extended from their checkpoints.
+    out = run([*args, "--frames", "1536"], tmp_path)
+    assert "reusing 0 finished run(s), resuming 2, starting 0" in out
+    with (tmp_path / "summary.csv").open() as f:
+        assert sorted(r["frames"] for r in csv.DictReader(f)) == ["1536", "1536"]
 
 
 def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys):
@@ -467,3 +472,21 @@ def test_compare_sweep_writes_table_csv_and_figure(tmp_path, capsys):
     with pytest.raises(SystemExit):
         compare.main([*argv, "--sweep", "window=1,2"])
     assert "--sweep must be NAME=V1,V2,..." in capsys.readouterr().err
+
+
+def test_a_finished_run_extended_to_more_frames_equals_a_run_with_that_budget(tmp_path, uninterrupted):
+    """``train --resume RUN --frames N`` (and ``compare`` with a larger ``--frames``) goes on
+    from the checkpoint: 2048 frames then 2048 more train exactly as 4096 from the start (the
+    old end, 2048, is on the evaluation schedule, so even the history is the same)."""
+    short = Config(**dict(RESUME_CONFIG, frames=2048), output=str(tmp_path))
+    first = recipe.train(short)
+    assert (first["status"], first["frames"]) == ("completed", 2048)
+    run_dir = short.run_dir()
+    command = parse_train_command(["--resume", str(run_dir), "--frames", "4096"])
+    assert command.resume and command.config.frames == 4096
+    extended = recipe.train(command.config, run_dir=command.run_dir, resume=True)
+    assert (extended["status"], extended["frames"], extended["total_frames"]) == ("completed", 4096, 4096)
+    assert_same_run(run_record(run_dir), uninterrupted)
+    # Fewer frames than the run has is a changed option, as any other.
+    with pytest.raises(ValueError, match="frames differ"):
+        recipe.train(Config(**dict(RESUME_CONFIG, frames=1024), output=str(tmp_path)), resume=True)
