@@ -165,7 +165,7 @@ def finished_episodes(batch: TensorDictBase) -> dict[str, float]:
         return {"episodes": 0}
     return {
         "episodes": int(done.sum()),
-        "success_rate": batch["next", "is_success"][done].float().mean().item(),
+        "success_rate": batch["next", "is_success"][done].double().mean().item(),
         "reward_per_episode": batch["next", "reward"].sum().item() / int(done.sum()),
         "agent_tokens": batch["next", "num_agent_tokens"][done].float().mean().item(),
         "tool_calls": batch["next", "num_tool_calls"][done].float().mean().item(),
@@ -193,7 +193,8 @@ def evaluate(actor, env: EnvBase, *, seed: int, max_steps: int) -> dict[str, flo
     steps = torch.arange(done.shape[1]).unsqueeze(0)
     episode_return = torch.where(steps <= first_end.unsqueeze(-1), reward, 0.0).sum(-1)
     return {
-        "success_rate": rollout["next", "is_success"][rows, first_end].float().mean().item(),
+        # float64: 90 successes of 100 are 0.9, not float32's 0.8999999762 < 0.9 (the threshold)
+        "success_rate": rollout["next", "is_success"][rows, first_end].double().mean().item(),
         "episode_return": episode_return.mean().item(),
         "episode_length": (first_end + 1).float().mean().item(),
     }

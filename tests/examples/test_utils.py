@@ -141,3 +141,23 @@ def test_evaluate_runs_the_actor_on_agent_steps_only_with_the_same_greedy_episod
     expected = rollout["next", "is_success"][torch.arange(16), first_end].float().mean().item()
     assert result["success_rate"] == expected
     assert result["episode_length"] == (first_end + 1).float().mean().item()
+
+
+def test_evaluate_counts_90_of_100_as_the_90_percent_threshold(monkeypatch):
+    class FixedRollout:
+        """100 one-step episodes, 90 of them successful."""
+
+        def set_seed(self, seed):
+            pass
+
+        def rollout(self, max_steps, policy, break_when_any_done):
+            success = torch.arange(100) < 90
+            return TensorDict({"next": {"done": torch.ones(100, 1, 1, dtype=torch.bool),
+                                        "reward": success.float().view(100, 1, 1),
+                                        "is_success": success.view(100, 1)}}, batch_size=[100, 1])
+
+    from tensordict.nn import TensorDictModule
+
+    actor = TensorDictModule(torch.nn.Identity(), in_keys=["tokens"], out_keys=["action"])
+    result = utils.evaluate(actor, FixedRollout(), seed=0, max_steps=1)
+    assert result["success_rate"] >= 0.9 and result["success_rate"] == 0.9
