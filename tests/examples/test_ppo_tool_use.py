@@ -373,9 +373,11 @@ def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys
     for name in ("masked-seed7", "plain-seed7"):
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert (summary["status"], summary["frames"]) == ("completed", 2048)
-    # A folder that holds a run with other options is an error before anything runs.
-    assert compare.main([*argv[:-4], "--frames", "4096", "--jobs", "1", "--output",
-                         str(tmp_path)]) == 2
+    # A folder that holds a run with other options is an error before anything runs (a larger
+    # --frames is not one: it extends the runs), and so is a smaller budget.
+    assert compare.main([*argv, "--lr", "0.001"]) == 2
+    assert "holds a run with other options (lr differ)" in capsys.readouterr().err
+    assert compare.main([*argv, "--frames", "1024"]) == 2
     assert "holds a run with other options (frames differ)" in capsys.readouterr().err
 
 
