@@ -93,9 +93,9 @@ class MaskedGAE(GAE):
             as ``GAE`` does. ``"read"`` runs on every step anyway with
             ``masked_value_targets=True`` (the critic then trains on masked steps, and a PPO
             loss's ``clip_value`` reads the stored values there), with ``shifted=True`` (TorchRL's
-            single call over the shifted observations), with ``auto_reset_env=True`` and for a recurrent ``value_network`` (``"is_init"`` among its in_keys: its state
-            runs along time).
-            Precomputed values (``value_network=None``) are read as given.
+            single call over the shifted observations), with ``auto_reset_env=True`` and for a
+            recurrent ``value_network`` (``"is_init"`` among its in_keys: its state runs along
+            time). Precomputed values (``value_network=None``) are read as given.
 
     Tensor keys (``set_keys``): those of ``GAE`` plus ``loss_mask`` (default
     ``"loss_mask"``), read at the root of the input tensordict with shape ``[*B, T]`` or

@@ -51,7 +51,9 @@ def make_env(env_id: str, num_envs: int, device: str = "cpu", *, backend: str = 
     if backend == "batched":
         # One byte per token when the vocabulary fits (8x less than int64 for every window the
         # collector, the held-back episodes and the checkpoint copy); the encoders cast.
-        vocab_size = gym.make(env_id, **env_kwargs).unwrapped.grammar.vocab_size
+        probe = gym.make(env_id, **env_kwargs)
+        vocab_size = probe.unwrapped.grammar.vocab_size
+        probe.close()
         tokens_dtype = torch.uint8 if vocab_size <= 256 else torch.int64
         return make_torchrl_env(env_id, num_envs=num_envs, device=device, backend="batched",
                                 tokens_dtype=tokens_dtype, **env_kwargs)
