@@ -210,26 +210,47 @@ def runs_of(marker):
     return list(zip(starts, [s - 1 for s in starts[1:]] + [marker.numel() - 1]))
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("requires_grad", [False, True])  # NumPy reduceat / index_add_
 def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
     gen = torch.Generator().manual_seed(seed)
     length = 300
-    marker = torch.rand(length, generator=gen) < [0.05, 0.5, 0.95][seed]
+    if seed < 3:  # scattered markers: short blocks, one nonzero over the markers
+        marker = torch.rand(length, generator=gen) < [0.05, 0.5, 0.95][seed]
+    else:  # agent turns: long blocks of markers, the runs are built block by block
+        turn = torch.randint(1, 40, (length,), generator=gen).cumsum(0)
+        block = torch.searchsorted(turn, torch.arange(length), right=True)
+        marker = block % 2 == 0
+        marker[torch.rand(length, generator=gen) < 0.02] = True  # a few lone markers too
     marker[0] = True
     marker[-1] = bool(seed % 2)  # a last run of one step, or longer
     values = torch.randn(length, generator=gen, dtype=torch.float64)
     values[7] = math.nan
-    pos, nxt, single = _runs(marker)
-    assert list(zip(pos.tolist(), nxt.tolist())) == runs_of(marker)
-    assert single.tolist() == [a == b for a, b in runs_of(marker)]
-    for mine, torchs in zip((pos, nxt, single), _runs(marker, numpy=False)):  # other devices
+    runs = _runs(marker)
+    want_runs = runs_of(marker)
+    assert list(zip(runs.pos.tolist(), runs.nxt.tolist())) == want_runs
+    assert runs.single.tolist() == [a == b for a, b in want_runs]
+    assert runs.longer.tolist() == [j for j, (a, b) in enumerate(want_runs) if b > a]
+    torch_runs = _runs(marker, numpy=False)  # other devices
+    assert torch_runs.longer is None
+    for mine, torchs in zip(runs[:3], torch_runs[:3]):
         assert torch.equal(mine, torchs)
-    want = [sum(values[a : b + 1].tolist()) for a, b in runs_of(marker)]
-    got = _run_sums(values.clone().requires_grad_(requires_grad), marker, pos, nxt, single)
+    want = [sum(values[a : b + 1].tolist()) for a, b in want_runs]
+    got = _run_sums(values.clone().requires_grad_(requires_grad), marker, runs)
     torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12, equal_nan=True)
     assert got.isnan().sum() == 1
+    by_torch = _run_sums(values, marker, torch_runs)  # index_add_
+    torch.testing.assert_close(by_torch, got.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+def test_runs_take_both_numpy_paths():
+    # Blocks of 2 markers on average take the one-nonzero path, blocks of 50 the block path;
+    # both must agree with torch's nonzero.
+    for size in (2, 50):
+        marker = (torch.arange(10_000) // size) % 2 == 0
+        for mine, torchs in zip(_runs(marker)[:3], _runs(marker, numpy=False)[:3]):
+            assert torch.equal(mine, torchs)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -245,7 +266,8 @@ def test_bootstrap_reads_the_rule_and_only_it(seed):
     marker = torch.rand(length, generator=gen) < [0.2, 0.6, 0.9, 1.0][seed]
     marker[0] = True
     marker[1:] |= end[:-1]
-    pos, nxt, single = _runs(marker)
+    runs = _runs(marker)
+    pos, nxt, single = runs.pos, runs.nxt, runs.single
     last = end.index_select(0, nxt)
     value_c = torch.randn(pos.numel(), generator=gen, dtype=torch.float64)
     next_value = torch.randn(length, generator=gen, dtype=torch.float64)
@@ -260,11 +282,12 @@ def test_bootstrap_reads_the_rule_and_only_it(seed):
         else:
             want.append(value_c[j + 1].item())
     want = torch.tensor(want, dtype=torch.float64)
-    got = _bootstrap(next_value, value_c, pos, nxt, last, single, term)
-    selected = _bootstrap(next_value, value_c.clone().requires_grad_(), pos, nxt, last, single,
-                          term)
+    got = _bootstrap(next_value, value_c, runs, last, term)
+    selected = _bootstrap(next_value, value_c.clone().requires_grad_(), runs, last, term)
+    by_torch = _bootstrap(next_value, value_c, _runs(marker, numpy=False), last, term)
     assert torch.equal(bits(got), bits(want))
     assert torch.equal(bits(selected.detach()), bits(want))
+    assert torch.equal(bits(by_torch), bits(want))
     assert bool(term.any())  # the terminated fix-up is exercised, and the other one
     assert bool(single.all()) == (seed == 3)  # except on an all-marker stream
 

@@ -435,8 +435,9 @@ def test_attach_rejects_non_ppo_losses():
 
 def test_runs_on_device(device):
     actor, critic = actor_critic()
+    td = rollout(actor)  # on the CPU, before Module.to moves the actor in place
     loss = masked_clip(actor.to(device), critic.to(device))
-    out = loss(rollout(actor.cpu()).to(device))
+    out = loss(td.to(device))
     assert out["loss_objective"].device.type == device.type
 
 
