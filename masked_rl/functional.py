@@ -250,41 +250,73 @@ def _reverse_linear_scan(
     return _doubling_scan(delta, gate, levels, fused=False)
 
 
+# The CPU scan runs tile by tile so that one tile's four rows (two of x, two of gates) stay in
+# a core's L2 cache across all levels: about this many bytes per torch thread (a tile spreads
+# over the threads). A stream that fits in one tile runs in one piece.
+_TILE_BYTES = 1 << 20
+
+
 def _doubling_scan(
     delta: Tensor, gate: Tensor, levels: list[tuple[int, float]], *, fused: bool
 ) -> Tensor:
     """The levels of :func:`_reverse_linear_scan` without autograd: the gate as a 0/1 float
-    multiplied into the carry (``fused``), or as an integer mask selecting it."""
+    multiplied into the carry (``fused``), or as an integer mask selecting it.
+
+    On the CPU a long stream is solved in tiles of :data:`_TILE_BYTES` per thread: after the
+    last level (stride ``k_max``) ``x_j`` depends on ``delta`` and ``gate`` over ``[j, j + 2
+    k_max)`` only, so a tile computed over its own steps plus a halo of ``2 k_max - 1`` more
+    gives its steps the same bits as the whole stream would, while each level reads from
+    cache rather than memory (1.7x faster at 230k markers on one thread).
+    """
     n, pad = delta.shape[0], levels[-1][0]
+    halo = 2 * pad - 1
+    tile = n
+    if delta.device.type == "cpu":
+        per_thread = _TILE_BYTES // (4 * delta.element_size())
+        tile = max(halo + 1, per_thread * torch.get_num_threads())
+    span = min(n, tile + halo)
     bits = _BITS[delta.dtype]
     # Two rows that swap roles every level; the pad (k_max zeros, gate false) lets every level
-    # read x[j + k] for all j < n.
-    x_buf = delta.new_empty(2, n + pad)
-    g_buf = torch.empty(2, n + pad, dtype=delta.dtype if fused else bits, device=delta.device)
-    x_buf[:, n:] = 0
-    g_buf[:, n:] = 0
+    # read x[j + k] for all j in the tile.
+    x_buf = delta.new_empty(2, span + pad)
+    g_buf = torch.empty(2, span + pad, dtype=delta.dtype if fused else bits, device=delta.device)
+    x_buf[:, span:] = 0
+    g_buf[:, span:] = 0
     x_rows, g_rows = x_buf.unbind(0), g_buf.unbind(0)
-    x_head, g_head = [row[:n] for row in x_rows], [row[:n] for row in g_rows]
-    x_head[0].copy_(delta)
-    if fused:  # on the CPU only; NumPy converts bool to float about 6x faster than torch
-        np.copyto(g_head[0].numpy(), gate.numpy())
-    else:
-        torch.neg(gate.to(bits), out=g_head[0])  # true -> all bits set
+    if not fused:
         x_bits = [row.view(bits) for row in x_rows]
-        carry = torch.empty_like(delta)
-        carry_bits = carry.view(bits)
+        carry_buf = delta.new_empty(span)
     combine_gates = torch.mul if fused else torch.bitwise_and  # 0/1 floats multiply exactly
-    for level, (k, ck) in enumerate(levels):
-        src, dst = level % 2, 1 - level % 2
-        x_next, g_next = x_rows[src][k : k + n], g_rows[src][k : k + n]
-        if fused:
-            torch.addcmul(x_head[src], g_head[src], x_next, value=ck, out=x_head[dst])
+    out = None if span == n else torch.empty_like(delta)
+    for start in range(0, n, tile):
+        stop = min(n, start + tile)
+        width = min(n, stop + halo) - start
+        if width < span:  # the last tile is shorter: what lies past it must read as zeros
+            x_buf[:, width:span] = 0
+            g_buf[:, width:span] = 0
+        x_head, g_head = [row[:width] for row in x_rows], [row[:width] for row in g_rows]
+        x_head[0].copy_(delta[start : start + width])
+        if fused:  # on the CPU only; NumPy converts bool to float about 6x faster than torch
+            np.copyto(g_head[0].numpy(), gate[start : start + width].numpy())
         else:
-            torch.bitwise_and(x_bits[src][k : k + n], g_head[src], out=carry_bits)
-            torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
-        if level < len(levels) - 1:
-            combine_gates(g_head[src], g_next, out=g_head[dst])
-    return x_head[len(levels) % 2]
+            torch.neg(gate[start : start + width].to(bits), out=g_head[0])  # true -> all bits
+            carry = carry_buf[:width]
+            carry_bits = carry.view(bits)
+        for level, (k, ck) in enumerate(levels):
+            src, dst = level % 2, 1 - level % 2
+            x_next, g_next = x_rows[src][k : k + width], g_rows[src][k : k + width]
+            if fused:
+                torch.addcmul(x_head[src], g_head[src], x_next, value=ck, out=x_head[dst])
+            else:
+                torch.bitwise_and(x_bits[src][k : k + width], g_head[src], out=carry_bits)
+                torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
+            if level < len(levels) - 1:
+                combine_gates(g_head[src], g_next, out=g_head[dst])
+        result = x_head[len(levels) % 2]
+        if out is None:
+            return result
+        out[start:stop] = result[: stop - start]
+    return out
 
 
 # The integer dtype of each float dtype's bits, for selections by bitwise ``and``.

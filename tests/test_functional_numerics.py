@@ -334,3 +334,30 @@ def test_fused_and_selecting_scans_agree_bit_for_bit_on_finite_data(dtype):
     fused = _doubling_scan(delta, gate, levels, fused=True)
     selected = _doubling_scan(delta, gate, levels, fused=False)
     assert torch.equal(bits(fused), bits(selected))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("tile_bytes", [64, 4096, 16384])
+def test_tiled_scan_gives_the_bits_of_the_whole_stream(monkeypatch, fused, tile_bytes):
+    # Tiles with a halo (the CPU's cache blocking) against one piece, bit for bit, with episode
+    # ends near the tile edges and a last tile shorter than the others. float32 and c = 0.5:
+    # 8 levels (c**256 underflows), a halo of 255 steps, tiles of 256 to 1024 steps a thread.
+    gen = torch.Generator().manual_seed(tile_bytes)
+    length = 5001
+    delta = torch.randn(length, generator=gen)
+    delta[1234] = 3e38  # the fused pass overflows in one episode: the selecting one is tiled too
+    gate = torch.rand(length, generator=gen) < 0.995
+    gate[-1] = False
+    levels = [(1 << i, c) for i, c in enumerate(_scan_levels(0.5, length, torch.float32))]
+    assert levels[-1][0] == 128
+    whole = _doubling_scan(delta, gate, levels, fused=fused)
+    monkeypatch.setattr("masked_rl.functional._TILE_BYTES", tile_bytes)
+    tile = max(256, tile_bytes // (4 * delta.element_size()) * torch.get_num_threads())
+    assert tile + 255 < length  # several tiles
+    tiled = _doubling_scan(delta, gate, levels, fused=fused)
+    assert torch.equal(bits(tiled), bits(whole))
+    want = serial_scan(delta.double(), gate, 0.5)
+    finite = torch.isfinite(tiled)
+    torch.testing.assert_close(tiled[finite].double(), want[finite], rtol=1e-6, atol=1e-6)
+    if not fused:  # the selecting scan is exact everywhere: inf where the serial one is inf
+        assert torch.equal(finite, torch.isfinite(want.float()) & torch.isfinite(want))
