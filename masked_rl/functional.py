@@ -46,7 +46,7 @@ Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -60,6 +60,49 @@ __all__ = [
 ]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# CPU tensors take the NumPy kernels and the CPU's fused scan; tests set this to False to run
+# the path of every other device (torch kernels, one host synchronisation) on the CPU.
+_HOST_KERNELS = True
+
+
+def _on_host(tensor: Tensor) -> bool:
+    """Whether ``tensor`` takes the CPU's kernels (NumPy, fused scan, bitwise selections)."""
+    return _HOST_KERNELS and tensor.device.type == "cpu"
+
+
+class _Checks:
+    """Input checks whose verdicts are device tensors, read in one host synchronisation.
+
+    :meth:`fail_if` registers a 0-d bool tensor (true: the input is bad) and the function that
+    raises its error; :meth:`read` turns 0-d tensors into Python numbers together with the
+    pending verdicts, one ``tolist`` for all, then raises the first failed check. With
+    ``at_once`` (CPU inputs: there is nothing to wait for) every check is read as it comes.
+    """
+
+    def __init__(self, at_once: bool):
+        self.at_once = at_once
+        self._pending: list[tuple[Tensor, Callable[[], None]]] = []
+
+    def fail_if(self, bad: Tensor, fail: Callable[[], None]) -> None:
+        if self.at_once:
+            if bool(bad):
+                fail()
+        else:
+            self._pending.append((bad, fail))
+
+    def read(self, *numbers: Tensor) -> list[float]:
+        verdicts = [bad for bad, _ in self._pending]
+        if not verdicts and not numbers:
+            return []
+        parts = [torch.stack(verdicts).to(torch.float64)] if verdicts else []
+        parts += [x.detach().reshape(1).to(torch.float64) for x in numbers]
+        values = torch.cat(parts).tolist()
+        for (_, fail), bad in zip(self._pending, values):
+            if bad:
+                fail()
+        self._pending.clear()
+        return values[len(verdicts):]
 
 
 def _any(flags: Tensor) -> Tensor:
@@ -82,6 +125,10 @@ def check_loss_mask(loss_mask: Tensor, reference: Tensor, *, key: object = "loss
     Raises:
         ValueError: naming ``key``, with the expected and the received shape or values.
     """
+    return _check_loss_mask(loss_mask, reference, key, _Checks(at_once=True))
+
+
+def _check_loss_mask(loss_mask: Tensor, reference: Tensor, key: object, checks: _Checks) -> Tensor:
     if not isinstance(loss_mask, Tensor):
         raise TypeError(f"{key} must be a torch.Tensor, got {type(loss_mask).__name__}")
     ref_shape = tuple(reference.shape)
@@ -94,13 +141,15 @@ def check_loss_mask(loss_mask: Tensor, reference: Tensor, *, key: object = "loss
     if loss_mask.dtype != torch.bool:
         if loss_mask.is_complex():
             raise ValueError(f"{key} must be bool or hold only 0 and 1, got dtype {loss_mask.dtype}")
-        # One host synchronisation: a mask holding 0.5 or 2 is a bug upstream, never silently cast.
+        # A mask holding 0.5 or 2 is a bug upstream, never silently cast.
         bad = (loss_mask != 0) & (loss_mask != 1)
-        if bool(_any(bad)):
-            found = torch.unique(loss_mask[bad])[:5].tolist()
+
+        def fail(mask=loss_mask, bad=bad) -> None:
+            found = torch.unique(mask[bad])[:5].tolist()
             raise ValueError(
-                f"{key} must be bool or hold only 0 and 1, got {loss_mask.dtype} values {found}"
-            )
+                f"{key} must be bool or hold only 0 and 1, got {mask.dtype} values {found}")
+
+        checks.fail_if(_any(bad), fail)
         loss_mask = loss_mask != 0
     if loss_mask.ndim == reference.ndim - 1:
         loss_mask = loss_mask.unsqueeze(-1)
@@ -124,54 +173,64 @@ def _check_discount(name: str, value: float | Tensor) -> float:
     A tensor must hold one number (the masked recursion uses one ``gamma`` and one ``lmbda`` for
     the whole batch); reading it is a host synchronisation for a CUDA tensor.
     """
+    number = _discount_number(name, value)
+    return _check_discount_range(name, float(number) if isinstance(number, Tensor) else number)
+
+
+def _discount_number(name: str, value: float | Tensor) -> float | Tensor:
+    """``value`` as a Python float, or as a 0-d tensor still to be read; checks its type."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise ValueError(
                 f"{name} must be a float or a one-element tensor (one {name} for the whole batch), "
                 f"got a tensor of shape {list(value.shape)}"
             )
-        number = float(value.detach().reshape(()))
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    else:
-        raise TypeError(f"{name} must be a float or a one-element tensor, got {type(value).__name__}")
+        return value.detach().reshape(())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"{name} must be a float or a one-element tensor, got {type(value).__name__}")
+
+
+def _check_discount_range(name: str, number: float) -> float:
     if not 0.0 <= number <= 1.0:  # also rejects NaN
         raise ValueError(f"{name} must be in [0, 1], got {number}")
     return number
 
 
-def _check_episode_flags(done: Tensor, terminated: Tensor) -> tuple[Tensor, Tensor]:
+def _check_episode_flags(done: Tensor, terminated: Tensor, checks: _Checks | None = None
+                         ) -> tuple[Tensor, Tensor]:
     """``done`` and ``terminated`` as bool, or a ``ValueError``.
 
     Flags that are not bool must hold only 0 and 1 (0.5 or NaN is a bug upstream, not "true"),
     and ``terminated`` must imply ``done``, as in TorchRL: a terminated step that does not end its
     episode has no meaning here (TorchRL's GAE would zero its bootstrap yet carry the advantage
-    across it). All checks share one host synchronisation.
+    across it). The verdicts go to ``checks`` (default: one host synchronisation for all).
     """
-    if done.dtype == terminated.dtype == torch.bool and done.device.type == "cpu":
+    if done.dtype == terminated.dtype == torch.bool and _on_host(done):
         # The common case, with NumPy's bool kernels (about 4x faster than torch's here).
         if np.greater(terminated.numpy(), done.numpy()).any():
             _raise_orphan(terminated > done, done)
         return done, terminated
+    own = checks is None
+    checks = _Checks(at_once=False) if own else checks
     flags = []
-    problems = []
     for name, flag in (("done", done), ("terminated", terminated)):
-        if flag.dtype == torch.bool:
-            flags.append(flag)
-            problems.append(flag.new_zeros((), dtype=torch.bool))
-        else:
-            problems.append(_any((flag != 0) & (flag != 1)))
-            flags.append(flag != 0)
+        if flag.dtype != torch.bool:
+            bad = (flag != 0) & (flag != 1)
+
+            def fail(name=name, flag=flag, bad=bad) -> None:
+                found = torch.unique(flag[bad])[:5].tolist()
+                raise ValueError(f"{name} must be bool or hold only 0 and 1, got {flag.dtype} "
+                                 f"values {found}")
+
+            checks.fail_if(_any(bad), fail)
+            flag = flag != 0
+        flags.append(flag)
     done_b, terminated_b = flags
     orphan = terminated_b > done_b  # terminated and not done
-    problems.append(_any(orphan))
-    bad_done, bad_terminated, has_orphan = torch.stack(problems).tolist()
-    for name, flag, bad in (("done", done, bad_done), ("terminated", terminated, bad_terminated)):
-        if bad:
-            found = torch.unique(flag[(flag != 0) & (flag != 1)])[:5].tolist()
-            raise ValueError(f"{name} must be bool or hold only 0 and 1, got {flag.dtype} values {found}")
-    if has_orphan:
-        _raise_orphan(orphan, done_b)
+    checks.fail_if(_any(orphan), lambda: _raise_orphan(orphan, done_b))
+    if own:
+        checks.read()
     return done_b, terminated_b
 
 
@@ -243,10 +302,11 @@ def _reverse_linear_scan(
             x = torch.cat((step, x[-k:]))
             gate = torch.cat((gate[:-k] & gate[k:], gate.new_zeros(k)))
         return x
-    if delta.device.type == "cpu":
+    if _on_host(delta):
         x = _doubling_scan(delta, gate, levels, fused=True)
-        if bool(torch.isfinite(x.sum())):
-            return x
+        with np.errstate(over="ignore", invalid="ignore"):  # a sum of finite values may overflow
+            if np.isfinite(np.add.reduce(x.numpy())):
+                return x
     return _doubling_scan(delta, gate, levels, fused=False)
 
 
@@ -334,7 +394,7 @@ _BITWISE_MIN = 1 << 14
 
 
 def _bitwise_pays(input: Tensor) -> bool:
-    return input.device.type == "cpu" and input.numel() >= _BITWISE_MIN
+    return _on_host(input) and input.numel() >= _BITWISE_MIN
 
 
 def _needs_autograd(*tensors: object) -> bool:
@@ -386,9 +446,10 @@ def _run_sums(values: Tensor, marker: Tensor, runs: _Runs) -> Tensor:
     tails ``(pos[j], nxt[j]]`` summed by NumPy's ``add.reduceat`` over the alternating tail
     start / tail end bounds (the stretches between tails are summed and dropped: one
     ``reduceat`` segment per run costs ~3 ns a segment, most runs are single steps).
-    Elsewhere a ``cumsum`` numbers the runs and ``index_add_`` adds each step into its run. Either way a NaN or inf stays inside its own run.
+    Elsewhere a ``cumsum`` numbers the runs and ``index_add_`` adds each step into its run.
+    Either way a NaN or inf stays inside its own run.
     """
-    pos, nxt, _, longer = runs
+    pos, longer = runs.pos, runs.longer
     if longer is None or _needs_autograd(values):
         run = _run_index(marker)
         return values.new_zeros(pos.numel() + 1).index_add_(0, run, values)[1:]
@@ -398,7 +459,7 @@ def _run_sums(values: Tensor, marker: Tensor, runs: _Runs) -> Tensor:
         # stream's end, where reduceat's last segment stops anyway.
         bounds = np.empty(2 * longer.size, dtype=np.int64)
         bounds[0::2] = pos.numpy()[longer] + 1
-        bounds[1::2] = nxt.numpy()[longer] + 1
+        bounds[1::2] = _run_ends(runs, longer).numpy() + 1
         if bounds[-1] == values.numel():
             bounds = bounds[:-1]
         with np.errstate(all="ignore"):  # overflow to inf is the caller's data, as in torch
@@ -420,18 +481,39 @@ def _run_index(marker: Tensor) -> Tensor:
 
 def _flat_nonzero(flags: Tensor) -> Tensor:
     """Indices (int64) of the true entries of a 1-D bool tensor; one host synchronisation."""
-    if flags.device.type == "cpu":
+    if _on_host(flags):
         return torch.from_numpy(np.flatnonzero(flags.numpy()))  # see _runs: faster than torch's
     return flags.nonzero().squeeze(-1)
 
 
 class _Runs(NamedTuple):
-    """The runs a marker stream starts (see :func:`_runs`)."""
+    """The runs a marker stream starts (see :func:`_runs`).
 
-    pos: Tensor  # run starts (int64)
-    nxt: Tensor  # each run's last step: pos[j + 1] - 1, the stream's last step for the last run
-    single: Tensor  # nxt == pos
+    Run ``j`` spans steps ``pos[j]`` to ``nxt[j] = pos[j + 1] - 1`` (the stream's last step for
+    the last run). Most runs are a single step (``nxt == pos``): the NumPy path keeps only the
+    few ``longer`` ones, the torch path (any device) keeps ``nxt`` and ``single`` whole;
+    :func:`_run_ends` gives ``nxt`` either way.
+    """
+
+    pos: Tensor  # [M] run starts (int64)
+    nxt: Tensor | None  # torch path: [M] each run's last step
+    single: Tensor | None  # torch path: [M] nxt == pos
     longer: np.ndarray | None  # NumPy path: the indices j where nxt[j] > pos[j], ascending
+    length: int  # L, the stream's length
+
+
+def _run_ends(runs: _Runs, index: np.ndarray | None = None) -> Tensor:
+    """``nxt`` (each run's last step), or ``nxt[index]`` for a NumPy array of run indices."""
+    if runs.nxt is not None:
+        return runs.nxt if index is None else runs.nxt[torch.from_numpy(index)]
+    pos = runs.pos.numpy()
+    if index is None:
+        nxt = np.empty_like(pos)
+        np.subtract(pos[1:], 1, out=nxt[:-1])
+        nxt[-1] = runs.length - 1
+        return torch.from_numpy(nxt)
+    following = np.minimum(index + 1, pos.size - 1)
+    return torch.from_numpy(np.where(index + 1 < pos.size, pos[following] - 1, runs.length - 1))
 
 
 # The NumPy path builds the runs from the marker's blocks (maximal stretches of markers) when
@@ -439,11 +521,12 @@ class _Runs(NamedTuple):
 _BLOCK_MIN = 8
 
 
-def _runs(marker: Tensor, *, numpy: bool | None = None) -> _Runs:
-    """The runs a 1-D bool ``marker`` starts (``marker[0]`` must be true); one host
-    synchronisation (the ``nonzero``).
+def _runs(marker: Tensor, *, numpy: bool | None = None, count: int | None = None) -> _Runs:
+    """The runs a 1-D bool ``marker`` starts (``marker[0]`` must be true).
 
-    ``numpy`` (default: on the CPU) picks the NumPy kernels, else torch's (any device). NumPy's
+    ``numpy`` (default: :func:`_on_host`) picks the NumPy kernels, else torch's (any device):
+    ``nonzero``, one host synchronisation, or none with ``count``, the number of markers,
+    already known (``nonzero_static``). NumPy's
     single-threaded nonzero is 5-7x faster than torch's on the CPU (torch 2.x), does not wait
     for a second thread on a busy machine, and its elementwise kernels on small int arrays
     cost half of torch's. Markers come in blocks (an agent turn is a stretch of trainable
@@ -452,23 +535,24 @@ def _runs(marker: Tensor, *, numpy: bool | None = None) -> _Runs:
     nonzero over ``marker`` itself. Only a block's last marker can have a run longer than one
     step (its run covers the gap to the next block), so ``longer`` comes for free.
     """
-    if not (marker.device.type == "cpu" if numpy is None else numpy):
-        pos = marker.nonzero().squeeze(-1)
+    if not (_on_host(marker) if numpy is None else numpy):
+        if count is None:
+            pos = marker.nonzero().squeeze(-1)
+        else:
+            pos = torch.nonzero_static(marker, size=count).squeeze(-1)
         nxt = torch.empty_like(pos)
         torch.sub(pos[1:], 1, out=nxt[:-1])
         nxt[-1] = marker.numel() - 1
-        return _Runs(pos, nxt, nxt == pos, None)
+        return _Runs(pos, nxt, nxt == pos, None, marker.numel())
     flags = marker.numpy()
     length = flags.size
     edges = np.flatnonzero(flags[1:] != flags[:-1])
     if edges.size * _BLOCK_MIN > 2 * length:  # short blocks: one nonzero over the markers
         pos = np.flatnonzero(flags)
-        nxt = np.empty_like(pos)
-        np.subtract(pos[1:], 1, out=nxt[:-1])
-        nxt[-1] = length - 1
-        single = nxt == pos
-        return _Runs(torch.from_numpy(pos), torch.from_numpy(nxt), torch.from_numpy(single),
-                     np.flatnonzero(~single))
+        longer = np.flatnonzero(np.diff(pos) > 1)  # the next marker is not adjacent
+        if pos[-1] < length - 1:
+            longer = np.append(longer, pos.size - 1)
+        return _Runs(torch.from_numpy(pos), None, None, longer, length)
     edges += 1  # the first step after each change; flags[0] is true, so blocks alternate
     starts = np.concatenate((np.zeros(1, np.int64), edges[1::2]))
     following = np.append(starts[1:], length)  # the next block's start, or the stream's end
@@ -478,12 +562,7 @@ def _runs(marker: Tensor, *, numpy: bool | None = None) -> _Runs:
     pos = np.repeat(starts - (block_end - sizes), sizes)
     pos += np.arange(pos.size)
     gap = following > stops  # false only for a last block that reaches the stream's end
-    longer = (block_end - 1)[gap]
-    nxt = pos.copy()
-    nxt[longer] = (following - 1)[gap]
-    single = np.ones(pos.size, dtype=bool)
-    single[longer] = False
-    return _Runs(torch.from_numpy(pos), torch.from_numpy(nxt), torch.from_numpy(single), longer)
+    return _Runs(torch.from_numpy(pos), None, None, (block_end - 1)[gap], length)
 
 
 def _bootstrap(next_value: Tensor, value_c: Tensor, runs: _Runs, last: Tensor, term: Tensor
@@ -493,34 +572,90 @@ def _bootstrap(next_value: Tensor, value_c: Tensor, runs: _Runs, last: Tensor, t
 
     ``runs`` are the markers' :func:`_runs`, ``last`` is ``end[nxt]`` (bool, per marker).
     Selections, never products, so a NaN or inf stored where it is not read cannot leak. On
-    the NumPy path without autograd ``V'[nxt]`` is gathered and only the few other markers
-    (runs longer than one step inside an episode, terminated ends) are overwritten in place.
+    the NumPy path without autograd ``V'[pos]`` (``V'[nxt]`` of a single run) is gathered and
+    only the few other markers (runs longer than one step, terminated ends) are overwritten.
     """
-    _, nxt, single, longer = runs
-    at_end = next_value.index_select(0, nxt)
-    if longer is None or _needs_autograd(next_value, value_c):
+    if runs.longer is None or _needs_autograd(next_value, value_c):
+        nxt = _run_ends(runs)
+        single = runs.single if runs.single is not None else nxt == runs.pos
+        at_end = next_value.index_select(0, nxt)
         following = torch.cat((value_c[1:], value_c[:1]))  # V at the next marker (wraps)
         bootstrap = _where(last | single, at_end, following)
         return _zero_where(term.index_select(0, nxt), bootstrap)
-    out, last = at_end.numpy(), last.numpy()
-    inner = longer[~last[longer]]  # never the last marker: it is `last`
+    bootstrap = next_value.index_select(0, runs.pos)
+    out, last, longer = bootstrap.numpy(), last.numpy(), runs.longer
+    ends_episode = last[longer]
+    inner = longer[~ends_episode]  # never the last marker: it is `last`
     out[inner] = value_c.numpy()[inner + 1]
+    at_end = longer[ends_episode]
+    out[at_end] = next_value.numpy()[_run_ends(runs, at_end).numpy()]
     # A terminated step ends an episode (checked), so it ends the run of its episode's last
     # marker: the terminated markers are the last ones whose run ends on a terminated step.
     ends = np.flatnonzero(last)
-    out[ends[term.numpy()[nxt.numpy()[ends]]]] = 0.0
-    return at_end
+    out[ends[term.numpy()[_run_ends(runs, ends).numpy()]]] = 0.0
+    return bootstrap
+
+
+class _Index(NamedTuple):
+    """The marker structure of the flattened batch (see
+    :func:`masked_generalized_advantage_estimate`), per step ``[L]`` or per marker ``[M]``."""
+
+    marker: Tensor  # [L] bool: the markers (trainable steps, episode starts); they start runs
+    runs: _Runs
+    train: Tensor  # [M] bool: the marker is a trainable step (else an episode's masked start)
+    last: Tensor  # [M] bool: the marker's run ends its episode
+    gate: Tensor  # [M] bool: the carry flows from marker j + 1 into j (train and not last)
+    masked: Tensor | None  # host: the indices of the masked markers (few)
+    discounts: tuple[float, float] | None  # device: gamma and lmbda, read with the count
+
+
+def _stream_index_host(m: Tensor, done: Tensor, horizon: int) -> _Index:
+    """:class:`_Index` with NumPy's kernels (bool kernels several times faster than torch's on
+    the CPU, and no thread hand-offs)."""
+    end = done.numpy().copy()
+    end.reshape(-1, horizon)[:, -1] = True  # a row's last step ends its episode
+    trainable = m.numpy()
+    marker = np.empty_like(end)
+    np.logical_or(trainable[1:], end[:-1], out=marker[1:])
+    marker[0] = True
+    runs = _runs(torch.from_numpy(marker))
+    pos = runs.pos.numpy()
+    train = trainable[pos]
+    last = end[pos]  # end[nxt] where the run is a single step
+    last[runs.longer] = end[_run_ends(runs, runs.longer).numpy()]
+    return _Index(torch.from_numpy(marker), runs, torch.from_numpy(train),
+                  torch.from_numpy(last), torch.from_numpy(np.greater(train, last)),
+                  torch.from_numpy(np.flatnonzero(~train)), None)
+
+
+def _stream_index_device(m: Tensor, done: Tensor, horizon: int, checks: _Checks,
+                         gamma: float | Tensor, lmbda: float | Tensor) -> _Index:
+    """:class:`_Index` with torch's kernels, on any device: one host synchronisation reads the
+    number of markers, the pending checks' verdicts and ``gamma``, ``lmbda`` if they are
+    tensors; the markers are then found without another (``nonzero_static``)."""
+    end = done.clone(memory_format=torch.contiguous_format)
+    end.view(-1, horizon)[:, -1] = True  # a row's last step ends its episode
+    marker = torch.empty_like(end)
+    torch.logical_or(m[1:], end[:-1], out=marker[1:])
+    marker[0] = True
+    gamma_f, lmbda_f, count = _read_discounts(checks, gamma, lmbda, marker.sum())
+    runs = _runs(marker, numpy=False, count=int(count))
+    train = m.index_select(0, runs.pos)
+    last = end.index_select(0, runs.nxt)
+    return _Index(marker, runs, train, last, train > last, None, (gamma_f, lmbda_f))
 
 
 def _check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, terminated,
-                     loss_mask, time_dim):
+                     loss_mask, time_dim, checks: _Checks | None = None):
     """The argument checks of :func:`masked_generalized_advantage_estimate` (and its CP twin).
 
     Returns ``(time_dim, mask, gamma, lmbda, done, terminated)`` for a floating ``state_value``:
     ``time_dim`` non-negative,
     the mask as bool expanded to ``state_value``'s shape, ``gamma`` and ``lmbda`` as floats (or
     their one-element tensors' values), the flags as bool. Raises ``ValueError`` naming the
-    argument, the expected and the received value.
+    argument, the expected and the received value. With ``checks``, the checks of values on
+    the device go there and ``gamma`` and ``lmbda`` may come back as 0-d tensors still to be
+    read (and range-checked) with them; without, they are read here.
     """
     _check_same_shape(
         "state_value",
@@ -542,12 +677,30 @@ def _check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done,
             f"the trailing feature dim, got {time_dim}"
         )
     time_dim %= ndim
-    mask = check_loss_mask(loss_mask, reward).expand(state_value.shape)
-    gamma_f, lmbda_f = _check_discount("gamma", gamma), _check_discount("lmbda", lmbda)
-    done, terminated = _check_episode_flags(done, terminated)
+    own = checks is None
+    checks = _Checks(at_once=False) if own else checks
+    mask = _check_loss_mask(loss_mask, reward, "loss_mask", checks).expand(state_value.shape)
+    gamma_n, lmbda_n = _discount_number("gamma", gamma), _discount_number("lmbda", lmbda)
+    for name, number in (("gamma", gamma_n), ("lmbda", lmbda_n)):
+        if not isinstance(number, Tensor):
+            _check_discount_range(name, number)
+    done, terminated = _check_episode_flags(done, terminated, checks)
     if not state_value.dtype.is_floating_point:
         raise ValueError(f"state_value must be a floating tensor, got {state_value.dtype}")
-    return time_dim, mask, gamma_f, lmbda_f, done, terminated
+    if own:
+        gamma_n, lmbda_n = _read_discounts(checks, gamma_n, lmbda_n)
+    return time_dim, mask, gamma_n, lmbda_n, done, terminated
+
+
+def _read_discounts(checks: _Checks, gamma: float | Tensor, lmbda: float | Tensor,
+                    *numbers: Tensor) -> list[float]:
+    """``gamma`` and ``lmbda`` as checked floats, and ``numbers``, in one read of ``checks``."""
+    tensors = [x for x in (gamma, lmbda) if isinstance(x, Tensor)]
+    values = checks.read(*tensors, *numbers)
+    read = iter(values)
+    out = [_check_discount_range(name, next(read)) if isinstance(x, Tensor) else x
+           for name, x in (("gamma", gamma), ("lmbda", lmbda))]
+    return out + values[len(tensors):]
 
 
 def masked_generalized_advantage_estimate(
@@ -619,13 +772,17 @@ def masked_generalized_advantage_estimate(
         >>> adv.squeeze(-1)
         tensor([[0.9000, 0.0000, 0.0000, 0.0000, 0.0000, 2.0000]])
     """
-    time_dim, mask, gamma_f, lmbda_f, done, terminated = _check_gae_inputs(
-        gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim)
+    host = _on_host(state_value)
+    checks = _Checks(at_once=host)
+    time_dim, mask, gamma_n, lmbda_n, done, terminated = _check_gae_inputs(
+        gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim,
+        checks)
 
     out_dtype = state_value.dtype
     dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
     horizon = state_value.shape[time_dim]
     if state_value.numel() == 0:
+        _read_discounts(checks, gamma_n, lmbda_n)
         empty = torch.zeros_like(state_value)
         if masked_value_targets:
             return empty, empty.clone(), torch.zeros_like(empty, dtype=torch.bool)
@@ -642,12 +799,19 @@ def masked_generalized_advantage_estimate(
     value = stream(state_value).to(dtype)
     next_value = stream(next_state_value).to(dtype)
     rew = stream(reward).to(dtype)
-    m = stream(mask)
-    term = stream(terminated).to(torch.bool)
-    end = stream(done).to(torch.bool, copy=True)
-    end.view(-1, horizon)[:, -1] = True  # a row's last step ends its episode
-    length = end.numel()
-    gamma_t = gamma.reshape(()).to(value.device, dtype) if isinstance(gamma, Tensor) else gamma
+    m, term = stream(mask), stream(terminated)
+    # Markers, runs, and which markers are trainable or end their episode. On other devices
+    # the number of markers is read with the checks' verdicts (and gamma, lmbda if they are
+    # device tensors): the hot path's one host synchronisation.
+    if host:
+        gamma_f, lmbda_f = _read_discounts(checks, gamma_n, lmbda_n)
+        index = _stream_index_host(m, stream(done), horizon)
+    else:
+        index = _stream_index_device(m, stream(done), horizon, checks, gamma_n, lmbda_n)
+        gamma_f, lmbda_f = index.discounts
+    runs, train, last = index.runs, index.train, index.last
+    pos, length = runs.pos, m.numel()
+    gamma_t = gamma.reshape(()).to(value.device, dtype) if isinstance(gamma, Tensor) else gamma_f
     coefficients = _scan_levels(gamma_f * lmbda_f, horizon, dtype)
     if _needs_autograd(gamma, lmbda):
         # The carry's powers of gamma * lmbda as tensors, so that their gradient flows too.
@@ -655,32 +819,13 @@ def masked_generalized_advantage_estimate(
         c = gamma_t * lmbda_t
         coefficients = [c ** (1 << level) for level in range(len(coefficients))]
 
-    # Markers: every trainable step and every episode's first step. The markers cut the stream
-    # into runs; a run's rewards are folded into its marker: a trainable marker is the run's
-    # action, a masked one (an episode start before its first action) drops them.
-    marker = torch.empty_like(end)
-    torch.logical_or(m[1:], end[:-1], out=marker[1:])
-    marker[0] = True
-    # In the compressed stream the marker after j is the next action of j's episode, or the
-    # next episode's start; either way step nxt[j] (the one before it) ends j's run. A run
-    # is single when the next marker is adjacent. On CUDA the hot path's only host sync.
-    runs = _runs(marker)
-    pos, nxt = runs.pos, runs.nxt
-    folded = _run_sums(rew, marker, runs)
-
-    train = m.index_select(0, pos)
+    folded = _run_sums(rew, index.marker, runs)
     value_c = value.index_select(0, pos)
-    last = end.index_select(0, nxt)  # j is its episode's last marker
     # Bootstrap: V'[e] at the episode's end e (0 if terminated); before an adjacent action
     # V'[t_j] (equal to V[t_j + 1] in a rollout, and what TorchRL reads); else V[t_{j+1}].
     # Selections, never products: NaN or inf stored where it is not read must not leak.
-    # (terminated implies done, checked above, so terminated[nxt] implies last.)
     bootstrap = _bootstrap(next_value, value_c, runs, last, term)
-    # On the CPU the few masked markers (episode starts before a first action) are zeroed by
-    # index; elsewhere, and under autograd, selected by ``train`` (the same bits either way).
-    masked_c = None
-    if train.device.type == "cpu":
-        masked_c = torch.from_numpy(np.flatnonzero(~train.numpy()))
+    masked_c = index.masked  # the host's masked markers, by index (the same bits as selecting)
 
     def trainable_only(x: Tensor) -> Tensor:  # _where(train, x, 0.0); x is a temporary
         if masked_c is None or _needs_autograd(x):
@@ -692,24 +837,22 @@ def masked_generalized_advantage_estimate(
     else:
         delta = torch.add(folded, bootstrap, alpha=gamma_f)
     delta = trainable_only(delta.sub_(value_c))
-    # The carry flows from j + 1 into an action j of the same episode; a masked marker gets 0.
-    gate = last.logical_not() & train
     del folded, bootstrap
 
-    advantage_c = _reverse_linear_scan(delta, gate, coefficients)
+    # The carry flows from j + 1 into an action j of the same episode; a masked marker gets 0.
+    advantage_c = _reverse_linear_scan(delta, index.gate, coefficients)
     target_c = trainable_only(advantage_c + value_c)
 
     moved_shape = state_value.movedim(time_dim, -1).shape
 
     def unstream(x: Tensor) -> Tensor:
-        if x.numel() == length:
+        if x.numel() == length:  # the masked value targets are per step already
             full = x
-        elif x.device.type == "cpu" and not _needs_autograd(x):  # NumPy scatters faster
-            full_np = np.zeros(length, dtype=x.numpy().dtype)
-            full_np[pos.numpy()] = x.numpy()
-            full = torch.from_numpy(full_np)
+        elif _on_host(x) and not _needs_autograd(x):  # NumPy scatters faster
+            full = x.new_zeros(length)
+            full.numpy()[pos.numpy()] = x.numpy()
         else:
-            full = x.new_zeros(length).scatter_(0, pos, x)
+            full = x.new_zeros(length).index_copy(0, pos, x)
         if time_fastest:
             return full.view(state_value.shape).to(out_dtype)
         return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
@@ -717,7 +860,8 @@ def masked_generalized_advantage_estimate(
     if not masked_value_targets:
         return unstream(advantage_c), unstream(target_c)
     target, has_target = _masked_step_targets(
-        target_c, train.logical_not(), last, pos, nxt, _run_index(marker), marker, m, rew, term,
+        target_c, train.logical_not(), last, pos, _run_ends(runs), _run_index(index.marker),
+        index.marker, m, rew, term,
         next_value, gamma_t if gamma_f > 0 else None, horizon,
     )
     has_target = has_target.view(moved_shape).movedim(-1, time_dim)
@@ -760,7 +904,8 @@ def _masked_step_targets(
         # Rewards from each step to its run's end: a reverse scan with coefficient 1 whose
         # windows stop at run ends (it keeps a NaN or inf reward inside its own run).
         same_run = torch.cat((marker[1:].logical_not(), marker.new_zeros(1)))
-        to_run_end = _reverse_linear_scan(reward.clone(), same_run, _scan_levels(1.0, horizon, reward.dtype))
+        to_run_end = _reverse_linear_scan(reward.clone(), same_run,
+                                          _scan_levels(1.0, horizon, reward.dtype))
         follow = follow + to_run_end / gamma
     at_masked = has_target & trainable.logical_not()
     return torch.where(at_masked, follow, target), has_target

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,6 +23,7 @@ from masked_rl.functional import (
     _bootstrap,
     _doubling_scan,
     _reverse_linear_scan,
+    _run_ends,
     _run_sums,
     _runs,
     _scan_levels,
@@ -228,13 +230,15 @@ def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
     values[7] = math.nan
     runs = _runs(marker)
     want_runs = runs_of(marker)
-    assert list(zip(runs.pos.tolist(), runs.nxt.tolist())) == want_runs
-    assert runs.single.tolist() == [a == b for a, b in want_runs]
+    assert list(zip(runs.pos.tolist(), _run_ends(runs).tolist())) == want_runs
     assert runs.longer.tolist() == [j for j, (a, b) in enumerate(want_runs) if b > a]
+    some = np.array([0, len(want_runs) // 2, len(want_runs) - 1])
+    assert _run_ends(runs, some).tolist() == [want_runs[j][1] for j in some]
     torch_runs = _runs(marker, numpy=False)  # other devices
     assert torch_runs.longer is None
-    for mine, torchs in zip(runs[:3], torch_runs[:3]):
-        assert torch.equal(mine, torchs)
+    assert torch.equal(torch_runs.pos, runs.pos) and torch.equal(torch_runs.nxt, _run_ends(runs))
+    assert torch_runs.single.tolist() == [a == b for a, b in want_runs]
+    assert torch.equal(_runs(marker, numpy=False, count=len(want_runs)).nxt, torch_runs.nxt)
     want = [sum(values[a : b + 1].tolist()) for a, b in want_runs]
     got = _run_sums(values.clone().requires_grad_(requires_grad), marker, runs)
     torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64),
@@ -249,8 +253,8 @@ def test_runs_take_both_numpy_paths():
     # both must agree with torch's nonzero.
     for size in (2, 50):
         marker = (torch.arange(10_000) // size) % 2 == 0
-        for mine, torchs in zip(_runs(marker)[:3], _runs(marker, numpy=False)[:3]):
-            assert torch.equal(mine, torchs)
+        mine, torchs = _runs(marker), _runs(marker, numpy=False)
+        assert torch.equal(mine.pos, torchs.pos) and torch.equal(_run_ends(mine), torchs.nxt)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -267,7 +271,8 @@ def test_bootstrap_reads_the_rule_and_only_it(seed):
     marker[0] = True
     marker[1:] |= end[:-1]
     runs = _runs(marker)
-    pos, nxt, single = runs.pos, runs.nxt, runs.single
+    pos, nxt = runs.pos, _run_ends(runs)
+    single = nxt == pos
     last = end.index_select(0, nxt)
     value_c = torch.randn(pos.numel(), generator=gen, dtype=torch.float64)
     next_value = torch.randn(length, generator=gen, dtype=torch.float64)
