@@ -27,17 +27,20 @@ up to the next marker) has its rewards summed into the marker, so a masked rewar
 reaches the action before it and a reward before an episode's first action lands on
 a masked marker, whose delta is zeroed. The linear recurrence
 ``A_j = delta_j + gamma * lmbda * A_{j+1}`` (cut at episode ends) is solved by a
-reverse doubling scan in at most ``ceil(log2(T))`` vectorized passes, and the results
-are scattered back. Memory is linear in ``L``; nothing of size ``T x T`` is built and
-no Python loop runs over rows, episodes or time steps.
+reverse doubling scan in at most ``ceil(log2(T))`` vectorized passes (on the CPU tile by
+tile, each tile's passes in cache), and the results are scattered back. Memory is linear in
+``L``; nothing of size ``T x T`` is built and no Python loop runs over rows, episodes or time
+steps.
 
 Selections that must not let a NaN or inf through (the carry across an episode end,
 masked markers, terminated bootstraps) are selections, never products with a 0/1
 mask: ``where`` (bitwise masks for large streams, :func:`_where`) or, on the CPU, for
 the few markers that are not the common case (masked markers, terminated ends, runs
 longer than one step), index assignments. The scan keeps its cheaper fused product
-only when the result proves it exact. On the CPU the ``nonzero`` and the reward runs
-use NumPy (faster single-threaded kernels).
+only when the result proves it exact. On the CPU the markers, their runs and the reward
+folds use NumPy (faster single-threaded kernels). On other devices every kernel is torch's
+and the function synchronises with the host once: the input checks' verdicts and the number
+of markers are read together, then ``nonzero_static`` compresses without waiting.
 
 Reference: Schulman et al., "High-Dimensional Continuous Control Using
 Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
@@ -755,10 +758,10 @@ def masked_generalized_advantage_estimate(
             ``terminated`` set where ``done`` is not.
 
     Every row's last step ends an episode (a cut row bootstraps from ``V'``). All tensors but
-    ``loss_mask`` must share ``state_value``'s shape. Host synchronisations: one ``nonzero``,
-    one for the checks of ``done`` and ``terminated``, one more for a non-bool ``loss_mask``
-    (the check that it holds only 0 and 1), and reading ``gamma`` and ``lmbda`` if they are
-    CUDA tensors.
+    ``loss_mask`` must share ``state_value``'s shape. On CUDA (any device but the CPU) one host
+    synchronisation: the number of markers is read together with the checks of ``done``,
+    ``terminated`` and a non-bool ``loss_mask``, and with ``gamma`` and ``lmbda`` when they are
+    device tensors.
 
     Examples:
         >>> import torch
