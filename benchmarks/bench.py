@@ -42,6 +42,10 @@ tolerance,
 ``torchrl_all_ones`` must equal ``ours_all_ones`` within the error bound of TorchRL's
 ``1e-7`` filter truncation.
 
+On CUDA the host synchronisations of one call of each implementation are counted
+(:func:`cuda_host_syncs`, the operations ``torch.cuda.set_sync_debug_mode`` reports) and shown
+in a column of their own.
+
 Peak memory is the peak of live bytes allocated during one call beyond what existed
 before it (the outputs included, the inputs not). CUDA: ``torch.cuda.max_memory_allocated``
 after ``reset_peak_memory_stats``. CPU: the allocation and free events of
@@ -61,6 +65,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +95,7 @@ __all__ = [
     "memory_floor",
     "check_agreement",
     "cpu_peak_bytes",
+    "cuda_host_syncs",
     "main",
     "run",
 ]
@@ -521,6 +527,23 @@ def cuda_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def cuda_host_syncs(fn: Callable[[], object], device: torch.device) -> int | None:
+    """How many times ``fn()`` makes the host wait for the GPU (``None`` off CUDA): the
+    synchronising operations ``torch.cuda.set_sync_debug_mode`` reports during one call."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def _load_average() -> float | None:
     """The 1-minute load average (``None`` where the OS has none): busy CPUs skew timings."""
     try:
@@ -635,6 +658,9 @@ def evaluate_targets(results: list[dict]) -> list[dict]:
 def _format_table(results: list[dict], header: list[str]) -> str:
     clock = results[0]["clock"] if results else "wall"
     columns = ("shape", "implementation", f"{clock} ms", "x ours", "x floor", "peak MiB")
+    with_syncs = any(r.get("host_syncs") is not None for r in results)  # CUDA
+    if with_syncs:
+        columns += ("host syncs",)
     lines = []
     previous = None
     for r in results:
@@ -642,11 +668,14 @@ def _format_table(results: list[dict], header: list[str]) -> str:
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         floor = "-" if r["floor_ratio"] is None else f"{r['floor_ratio']:.2f}"
-        lines.append((shape if shape != previous else "", IMPLEMENTATIONS[r["implementation"]][0],
-                      f"{r['median_ms']:.2f}", ratio, floor, peak))
+        line = (shape if shape != previous else "", IMPLEMENTATIONS[r["implementation"]][0],
+                f"{r['median_ms']:.2f}", ratio, floor, peak)
+        if with_syncs:
+            line += (str(r.get("host_syncs", "-")),)
+        lines.append(line)
         previous = shape
     widths = [max(len(columns[i]), *(len(line[i]) for line in lines)) for i in range(len(columns))]
-    aligns = ("<", "<", ">", ">", ">", ">")
+    aligns = ("<", "<", ">", ">", ">", ">", ">")
 
     def fmt(cells: Sequence[str]) -> str:
         return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, aligns, widths))
@@ -722,6 +751,7 @@ def run(args: argparse.Namespace) -> int:
                         # spans --min-time-ms rather than one scheduler hiccup.
                         calls[key] = max(1, min(1000, round(args.min_time_ms / 1e3 / per_call)))
                     bar.update()
+            syncs = {key: cuda_host_syncs(fns[key], device) for key in keys}
             peaks: dict[str, int | None] = {key: None for key in keys}
             if measure_memory:
                 for key in keys:
@@ -746,6 +776,7 @@ def run(args: argparse.Namespace) -> int:
                     "ratio_to": reference,
                     "floor_ratio": medians[key] / medians["floor"] if "floor" in medians else None,
                     "peak_bytes": peaks[key],
+                    "host_syncs": syncs[key],
                     "repeats": args.repeats,
                     "calls_per_sample": calls[key],
                     "min_ms": min(times[key]) * 1e3,
@@ -798,7 +829,7 @@ def run(args: argparse.Namespace) -> int:
     fields = ["batch", "steps", "implementation", "label", "median_ms", "clock",
               "cpu_median_ms" if args.clock == "wall" else "wall_median_ms", "ratio", "ratio_to",
               "floor_ratio",
-              "peak_bytes", "min_ms", "repeats", "calls_per_sample"]
+              "peak_bytes", "host_syncs", "min_ms", "repeats", "calls_per_sample"]
     with open(args.out / "bench.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

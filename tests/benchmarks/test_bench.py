@@ -253,6 +253,19 @@ def test_bench_command_writes_table_csv_and_json(tmp_path):
     assert report["config"]["shapes"] == [[3, 300], [2, 64]]
     assert all(r["median_ms"] > 0 and r["peak_bytes"] >= 0 for r in report["results"])
     assert set(report["agreement_max_abs_error"]) == {"3x300", "2x64"}
+    assert "host syncs" not in proc.stdout  # counted on CUDA only
+    assert all(r["host_syncs"] is None for r in report["results"])
+
+
+def test_host_syncs_column_on_cuda_results():
+    from masked_rl_benchmarks.bench import _format_table, cuda_host_syncs
+
+    assert cuda_host_syncs(lambda: None, torch.device("cpu")) is None
+    row = {"batch": 2, "steps": 8, "implementation": "ours", "median_ms": 1.0, "ratio": 1.0,
+           "floor_ratio": 3.0, "peak_bytes": None, "clock": "wall", "host_syncs": 1}
+    table = _format_table([row, {**row, "implementation": "reference", "host_syncs": 17}], [])
+    assert "host syncs" in table.splitlines()[1]
+    assert table.splitlines()[3].rstrip().endswith("1") and "17" in table.splitlines()[4]
 
 
 def test_bench_command_cpu_clock(tmp_path):
