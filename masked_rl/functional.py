@@ -98,6 +98,8 @@ class _Checks:
         verdicts = [bad for bad, _ in self._pending]
         if not verdicts and not numbers:
             return []
+        if self.at_once:  # nothing pending; a CPU number reads faster alone than stacked
+            return [float(x) for x in numbers]
         parts = [torch.stack(verdicts).to(torch.float64)] if verdicts else []
         parts += [x.detach().reshape(1).to(torch.float64) for x in numbers]
         values = torch.cat(parts).tolist()
@@ -814,7 +816,9 @@ def masked_generalized_advantage_estimate(
         gamma_f, lmbda_f = index.discounts
     runs, train, last = index.runs, index.train, index.last
     pos, length = runs.pos, m.numel()
-    gamma_t = gamma.reshape(()).to(value.device, dtype) if isinstance(gamma, Tensor) else gamma_f
+    gamma_t = gamma_f  # a tensor only where its gradient is asked for
+    if _needs_autograd(gamma):
+        gamma_t = gamma.reshape(()).to(value.device, dtype)
     coefficients = _scan_levels(gamma_f * lmbda_f, horizon, dtype)
     if _needs_autograd(gamma, lmbda):
         # The carry's powers of gamma * lmbda as tensors, so that their gradient flows too.
