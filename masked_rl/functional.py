@@ -83,8 +83,8 @@ class _Checks:
     ``at_once`` (CPU inputs: there is nothing to wait for) every check is read as it comes.
     """
 
-    def __init__(self, at_once: bool):
-        self.at_once = at_once
+    def __init__(self, at_once: bool, device: torch.device | None = None):
+        self.at_once, self.device = at_once, device  # device: where the data (and verdicts) are
         self._pending: list[tuple[Tensor, Callable[[], None]]] = []
 
     def fail_if(self, bad: Tensor, fail: Callable[[], None]) -> None:
@@ -100,14 +100,18 @@ class _Checks:
             return []
         if self.at_once:  # nothing pending; a CPU number reads faster alone than stacked
             return [float(x) for x in numbers]
+        # A number the CPU holds beside data on a device (say a gamma tensor) is read as it is;
+        # the others are stacked with the verdicts.
+        apart = [x.device.type == "cpu" and x.device != self.device for x in numbers]
         parts = [torch.stack(verdicts).to(torch.float64)] if verdicts else []
-        parts += [x.detach().reshape(1).to(torch.float64) for x in numbers]
-        values = torch.cat(parts).tolist()
+        parts += [x.detach().reshape(1).to(torch.float64) for x, a in zip(numbers, apart) if not a]
+        values = torch.cat(parts).tolist() if parts else []
         for (_, fail), bad in zip(self._pending, values):
             if bad:
                 fail()
         self._pending.clear()
-        return values[len(verdicts):]
+        read = iter(values[len(verdicts):])
+        return [float(x) if a else next(read) for x, a in zip(numbers, apart)]
 
 
 def _any(flags: Tensor) -> Tensor:
@@ -683,7 +687,7 @@ def _check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done,
         )
     time_dim %= ndim
     own = checks is None
-    checks = _Checks(at_once=False) if own else checks
+    checks = _Checks(at_once=False, device=state_value.device) if own else checks
     mask = _check_loss_mask(loss_mask, reward, "loss_mask", checks).expand(state_value.shape)
     gamma_n, lmbda_n = _discount_number("gamma", gamma), _discount_number("lmbda", lmbda)
     for name, number in (("gamma", gamma_n), ("lmbda", lmbda_n)):
@@ -778,7 +782,7 @@ def masked_generalized_advantage_estimate(
         tensor([[0.9000, 0.0000, 0.0000, 0.0000, 0.0000, 2.0000]])
     """
     host = _on_host(state_value)
-    checks = _Checks(at_once=host)
+    checks = _Checks(at_once=host, device=state_value.device)
     time_dim, mask, gamma_n, lmbda_n, done, terminated = _check_gae_inputs(
         gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim,
         checks)

@@ -149,3 +149,17 @@ def test_device_path_errors(device_path, case, message):
         gamma = torch.tensor(1.5)
     with pytest.raises(ValueError, match=message):
         mgae(gamma, 0.95, value, next_value, reward, done, terminated, mask)
+
+
+def test_checks_read_device_and_cpu_numbers_in_order(device_path):
+    # A CPU gamma tensor beside data on the device is read apart from the device's numbers
+    # (stacking it there would cost a copy); the order of the numbers is kept.
+    checks = functional._Checks(at_once=False, device=torch.device("meta"))  # data elsewhere
+    checks.fail_if(torch.tensor(False), lambda: None)
+    assert checks.read(torch.tensor(0.5), torch.tensor(7), torch.tensor(0.25)) == [0.5, 7.0, 0.25]
+    with RecordOps() as ops:  # the CPU numbers beside the device's data: read apart
+        functional._Checks(at_once=False, device=torch.device("meta")).read(torch.tensor(0.5))
+    assert "cat" not in ops.names
+    checks.fail_if(torch.tensor(True), lambda: (_ for _ in ()).throw(ValueError("bad input")))
+    with pytest.raises(ValueError, match="bad input"):
+        checks.read(torch.tensor(1))
