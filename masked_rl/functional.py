@@ -545,10 +545,14 @@ def _runs(marker: Tensor, *, numpy: bool | None = None, count: int | None = None
     step (its run covers the gap to the next block), so ``longer`` comes for free.
     """
     if not (_on_host(marker) if numpy is None else numpy):
-        if count is None:
+        pos = None
+        if count is not None:
+            try:
+                pos = torch.nonzero_static(marker, size=count).squeeze(-1)
+            except (NotImplementedError, RuntimeError):  # a torch without it on this device
+                pos = None
+        if pos is None:
             pos = marker.nonzero().squeeze(-1)
-        else:
-            pos = torch.nonzero_static(marker, size=count).squeeze(-1)
         nxt = torch.empty_like(pos)
         torch.sub(pos[1:], 1, out=nxt[:-1])
         nxt[-1] = marker.numel() - 1
