@@ -163,3 +163,17 @@ def test_checks_read_device_and_cpu_numbers_in_order(device_path):
     checks.fail_if(torch.tensor(True), lambda: (_ for _ in ()).throw(ValueError("bad input")))
     with pytest.raises(ValueError, match="bad input"):
         checks.read(torch.tensor(1))
+
+
+def test_without_nonzero_static_on_the_device_nonzero_does(device_path, monkeypatch):
+    def missing(*args, **kwargs):
+        raise NotImplementedError("nonzero_static: not on this device")
+
+    data = make_rollout(3, 40, seed=9)
+    want = mgae(0.9, 0.8, *data)
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    with RecordOps() as ops:
+        got = mgae(0.9, 0.8, *data)
+    assert "nonzero" in ops.names  # the fallback, one synchronisation more
+    for mine, theirs in zip(got, want):
+        assert torch.equal(mine, theirs)
