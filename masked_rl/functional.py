@@ -349,8 +349,12 @@ def _doubling_scan(
     # read x[j + k] for all j in the tile.
     x_buf = delta.new_empty(2, span + pad)
     g_buf = torch.empty(2, span + pad, dtype=delta.dtype if fused else bits, device=delta.device)
-    x_buf[:, span:] = 0
-    g_buf[:, span:] = 0
+    if _on_host(delta):  # NumPy's slice assignment costs a fraction of torch's
+        x_buf.numpy()[:, span:] = 0
+        g_buf.numpy()[:, span:] = 0
+    else:
+        x_buf[:, span:] = 0
+        g_buf[:, span:] = 0
     x_rows, g_rows = x_buf.unbind(0), g_buf.unbind(0)
     if not fused:
         x_bits = [row.view(bits) for row in x_rows]
@@ -468,7 +472,7 @@ def _run_sums(values: Tensor, marker: Tensor, runs: _Runs) -> Tensor:
         # stream's end, where reduceat's last segment stops anyway.
         bounds = np.empty(2 * longer.size, dtype=np.int64)
         bounds[0::2] = pos.numpy()[longer] + 1
-        bounds[1::2] = _run_ends(runs, longer).numpy() + 1
+        bounds[1::2] = runs.longer_end + 1
         if bounds[-1] == values.numel():
             bounds = bounds[:-1]
         with np.errstate(all="ignore"):  # overflow to inf is the caller's data, as in torch
@@ -508,6 +512,7 @@ class _Runs(NamedTuple):
     nxt: Tensor | None  # torch path: [M] each run's last step
     single: Tensor | None  # torch path: [M] nxt == pos
     longer: np.ndarray | None  # NumPy path: the indices j where nxt[j] > pos[j], ascending
+    longer_end: np.ndarray | None  # NumPy path: nxt[longer]
     length: int  # L, the stream's length
 
 
@@ -556,16 +561,15 @@ def _runs(marker: Tensor, *, numpy: bool | None = None, count: int | None = None
         nxt = torch.empty_like(pos)
         torch.sub(pos[1:], 1, out=nxt[:-1])
         nxt[-1] = marker.numel() - 1
-        return _Runs(pos, nxt, nxt == pos, None, marker.numel())
+        return _Runs(pos, nxt, nxt == pos, None, None, marker.numel())
     flags = marker.numpy()
     length = flags.size
     edges = np.flatnonzero(flags[1:] != flags[:-1])
     if edges.size * _BLOCK_MIN > 2 * length:  # short blocks: one nonzero over the markers
         pos = np.flatnonzero(flags)
-        longer = np.flatnonzero(np.diff(pos) > 1)  # the next marker is not adjacent
-        if pos[-1] < length - 1:
-            longer = np.append(longer, pos.size - 1)
-        return _Runs(torch.from_numpy(pos), None, None, longer, length)
+        following = np.append(pos[1:], length)  # the next marker, or the stream's end
+        longer = np.flatnonzero(following - pos > 1)
+        return _Runs(torch.from_numpy(pos), None, None, longer, following[longer] - 1, length)
     edges += 1  # the first step after each change; flags[0] is true, so blocks alternate
     starts = np.concatenate((np.zeros(1, np.int64), edges[1::2]))
     following = np.append(starts[1:], length)  # the next block's start, or the stream's end
@@ -575,7 +579,8 @@ def _runs(marker: Tensor, *, numpy: bool | None = None, count: int | None = None
     pos = np.repeat(starts - (block_end - sizes), sizes)
     pos += np.arange(pos.size)
     gap = following > stops  # false only for a last block that reaches the stream's end
-    return _Runs(torch.from_numpy(pos), None, None, (block_end - 1)[gap], length)
+    return _Runs(torch.from_numpy(pos), None, None, (block_end - 1)[gap], (following - 1)[gap],
+                 length)
 
 
 def _bootstrap(next_value: Tensor, value_c: Tensor, runs: _Runs, last: Tensor, term: Tensor
@@ -600,8 +605,7 @@ def _bootstrap(next_value: Tensor, value_c: Tensor, runs: _Runs, last: Tensor, t
     ends_episode = last[longer]
     inner = longer[~ends_episode]  # never the last marker: it is `last`
     out[inner] = value_c.numpy()[inner + 1]
-    at_end = longer[ends_episode]
-    out[at_end] = next_value.numpy()[_run_ends(runs, at_end).numpy()]
+    out[longer[ends_episode]] = next_value.numpy()[runs.longer_end[ends_episode]]
     # A terminated step ends an episode (checked), so it ends the run of its episode's last
     # marker: the terminated markers are the last ones whose run ends on a terminated step.
     ends = np.flatnonzero(last)
@@ -635,7 +639,7 @@ def _stream_index_host(m: Tensor, done: Tensor, horizon: int) -> _Index:
     pos = runs.pos.numpy()
     train = trainable[pos]
     last = end[pos]  # end[nxt] where the run is a single step
-    last[runs.longer] = end[_run_ends(runs, runs.longer).numpy()]
+    last[runs.longer] = end[runs.longer_end]
     return _Index(torch.from_numpy(marker), runs, torch.from_numpy(train),
                   torch.from_numpy(last), torch.from_numpy(np.greater(train, last)),
                   torch.from_numpy(np.flatnonzero(~train)), None)

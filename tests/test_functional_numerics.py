@@ -232,6 +232,7 @@ def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
     want_runs = runs_of(marker)
     assert list(zip(runs.pos.tolist(), _run_ends(runs).tolist())) == want_runs
     assert runs.longer.tolist() == [j for j, (a, b) in enumerate(want_runs) if b > a]
+    assert runs.longer_end.tolist() == [b for a, b in want_runs if b > a]
     some = np.array([0, len(want_runs) // 2, len(want_runs) - 1])
     assert _run_ends(runs, some).tolist() == [want_runs[j][1] for j in some]
     torch_runs = _runs(marker, numpy=False)  # other devices
