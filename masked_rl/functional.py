@@ -151,18 +151,24 @@ def _check_loss_mask(loss_mask: Tensor, reference: Tensor, key: object, checks: 
         if loss_mask.is_complex():
             raise ValueError(f"{key} must be bool or hold only 0 and 1, got dtype {loss_mask.dtype}")
         # A mask holding 0.5 or 2 is a bug upstream, never silently cast.
-        bad = (loss_mask != 0) & (loss_mask != 1)
-
-        def fail(mask=loss_mask, bad=bad) -> None:
-            found = torch.unique(mask[bad])[:5].tolist()
-            raise ValueError(
-                f"{key} must be bool or hold only 0 and 1, got {mask.dtype} values {found}")
-
-        checks.fail_if(_any(bad), fail)
-        loss_mask = loss_mask != 0
+        loss_mask = _binary_as_bool(key, loss_mask, checks)
     if loss_mask.ndim == reference.ndim - 1:
         loss_mask = loss_mask.unsqueeze(-1)
     return loss_mask
+
+
+def _binary_as_bool(name: object, flags: Tensor, checks: _Checks) -> Tensor:
+    """``flags != 0``, with a check in ``checks`` that they hold only 0 and 1 (its error names
+    ``name`` and up to five of the other values)."""
+    bad = (flags != 0) & (flags != 1)
+
+    def fail() -> None:
+        found = torch.unique(flags[bad])[:5].tolist()
+        raise ValueError(
+            f"{name} must be bool or hold only 0 and 1, got {flags.dtype} values {found}")
+
+    checks.fail_if(_any(bad), fail)
+    return flags != 0
 
 
 def _check_same_shape(reference_name: str, reference: Tensor, **tensors: Tensor) -> None:
@@ -222,20 +228,9 @@ def _check_episode_flags(done: Tensor, terminated: Tensor, checks: _Checks | Non
         return done, terminated
     own = checks is None
     checks = _Checks(at_once=False) if own else checks
-    flags = []
-    for name, flag in (("done", done), ("terminated", terminated)):
-        if flag.dtype != torch.bool:
-            bad = (flag != 0) & (flag != 1)
-
-            def fail(name=name, flag=flag, bad=bad) -> None:
-                found = torch.unique(flag[bad])[:5].tolist()
-                raise ValueError(f"{name} must be bool or hold only 0 and 1, got {flag.dtype} "
-                                 f"values {found}")
-
-            checks.fail_if(_any(bad), fail)
-            flag = flag != 0
-        flags.append(flag)
-    done_b, terminated_b = flags
+    done_b, terminated_b = (
+        flag if flag.dtype == torch.bool else _binary_as_bool(name, flag, checks)
+        for name, flag in (("done", done), ("terminated", terminated)))
     orphan = terminated_b > done_b  # terminated and not done
     checks.fail_if(_any(orphan), lambda: _raise_orphan(orphan, done_b))
     if own:
