@@ -19,28 +19,26 @@ compressed subsequence of *trainable* steps (``loss_mask == 1``) of every episod
   masked step other than its reward (and ``V'[e]`` of a truncated episode end,
   which *is* the bootstrap) can change any output, NaN and inf included.
 
-Implementation: the batch is flattened to one stream of length ``L = N * T``
-(every row end is an episode end, so rows cannot leak into each other). The stream
-is cut at *markers*, the trainable steps and every episode's first step, and
-compressed to them with one ``nonzero``. Each marker's run (it and the masked steps
-up to the next marker) has its rewards summed into the marker, so a masked reward
-reaches the action before it and a reward before an episode's first action lands on
-a masked marker, whose delta is zeroed. The linear recurrence
-``A_j = delta_j + gamma * lmbda * A_{j+1}`` (cut at episode ends) is solved by a
-reverse doubling scan in at most ``ceil(log2(T))`` vectorized passes (on the CPU tile by
-tile, each tile's passes in cache), and the results are scattered back. Memory is linear in
-``L``; nothing of size ``T x T`` is built and no Python loop runs over rows, episodes or time
-steps.
+Implementation. On the CPU (without autograd) a compiled kernel (numba,
+:mod:`masked_rl._cpu_kernel`) walks each row once from its end to its start, carrying the
+episode's end bootstrap, the rewards of the masked steps since the next action and that action's
+value and advantage: the recursion of ``docs/semantics.md`` written out, one read of the inputs
+and one write of the outputs, on one thread.
 
-Selections that must not let a NaN or inf through (the carry across an episode end,
-masked markers, terminated bootstraps) are selections, never products with a 0/1
-mask: ``where`` (bitwise masks for large streams, :func:`_where`) or, on the CPU, for
-the few markers that are not the common case (masked markers, terminated ends, runs
-longer than one step), index assignments. The scan keeps its cheaper fused product
-only when the result proves it exact. On the CPU the markers, their runs and the reward
-folds use NumPy (faster single-threaded kernels). On other devices every kernel is torch's
-and the function synchronises with the host once: the input checks' verdicts and the number
-of markers are read together, then ``nonzero_static`` compresses without waiting.
+Every other device, and autograd, take the vectorized path: the batch is flattened to one stream
+of length ``L = N * T`` (every row end is an episode end, so rows cannot leak into each other).
+The stream is cut at *markers*, the trainable steps and every episode's first step, and
+compressed to them with one ``nonzero``. Each marker's run (it and the masked steps up to the
+next marker) has its rewards summed into the marker, so a masked reward reaches the action
+before it and a reward before an episode's first action lands on a masked marker, whose delta
+is zeroed. The linear recurrence ``A_j = delta_j + gamma * lmbda * A_{j+1}`` (cut at episode
+ends) is solved by a reverse doubling scan in at most ``ceil(log2(T))`` vectorized passes, and
+the results are scattered back. Memory is linear in ``L``; nothing of size ``T x T`` is built and
+no Python loop runs over rows, episodes or time steps. What must not let a NaN or inf through
+(the carry across an episode end, masked markers, terminated bootstraps) is a selection, never
+a product with a 0/1 mask. The function synchronises with the host once: the input checks'
+verdicts and the number of markers are read together, then ``nonzero_static`` compresses
+without waiting.
 
 Reference: Schulman et al., "High-Dimensional Continuous Control Using
 Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
@@ -48,7 +46,6 @@ Generalized Advantage Estimation", ICLR 2016, https://arxiv.org/abs/1506.02438.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -64,13 +61,13 @@ __all__ = [
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# CPU tensors take the NumPy kernels and the CPU's fused scan; tests set this to False to run
-# the path of every other device (torch kernels, one host synchronisation) on the CPU.
+# CPU tensors take the compiled kernel and NumPy's checks; tests set this to False to run the
+# path of every other device (torch kernels, one host synchronisation) on the CPU.
 _HOST_KERNELS = True
 
 
 def _on_host(tensor: Tensor) -> bool:
-    """Whether ``tensor`` takes the CPU's kernels (NumPy, fused scan, bitwise selections)."""
+    """Whether ``tensor`` takes the CPU's kernels (the compiled pass, NumPy's flag checks)."""
     return _HOST_KERNELS and tensor.device.type == "cpu"
 
 
@@ -280,15 +277,10 @@ def _reverse_linear_scan(
     memory.
 
     A window crossing an episode end must contribute exactly nothing, also when the other
-    episode holds NaN or inf or overflows in the scan: ``0 * inf`` is NaN, so a product with
-    a 0/1 gate is only exact while every value is finite. Each level only adds to ``x_j``, so
-    a non-finite value anywhere in the scan stays non-finite in the result. On the CPU the
-    fused product (two kernels a level) runs first and is kept when the sum of its result is
-    finite (one host synchronisation); otherwise, and on other devices, the carry is
-    selected: a bitwise ``and`` with an all-ones / all-zeros integer mask (:func:`_where`,
-    three kernels a level). Both run in padded ping-pong buffers (no tail copies, no
-    allocation in the loop) and give the same bits where both are exact. Under autograd
-    the carry is selected with ``torch.where``.
+    episode holds NaN or inf or overflows in the scan: ``0 * inf`` is NaN, so the carry is
+    selected, never multiplied by a 0/1 gate: a bitwise ``and`` of its bits with an all-ones /
+    all-zeros integer mask (three kernels a level, in padded ping-pong buffers: no tail copies,
+    no allocation in the loop), or ``torch.where`` under autograd.
     """
     length = delta.shape[0]
     levels = [(1 << level, ck) for level, ck in enumerate(coefficients) if (1 << level) < length]
@@ -306,85 +298,34 @@ def _reverse_linear_scan(
             x = torch.cat((step, x[-k:]))
             gate = torch.cat((gate[:-k] & gate[k:], gate.new_zeros(k)))
         return x
-    if _on_host(delta):
-        x = _doubling_scan(delta, gate, levels, fused=True)
-        with np.errstate(over="ignore", invalid="ignore"):  # a sum of finite values may overflow
-            if np.isfinite(np.add.reduce(x.numpy())):
-                return x
-    return _doubling_scan(delta, gate, levels, fused=False)
+    return _doubling_scan(delta, gate, levels)
 
 
-# The CPU scan runs tile by tile so that one tile's four rows (two of x, two of gates) stay in
-# a core's L2 cache across all levels: about this many bytes per torch thread (a tile spreads
-# over the threads). A stream that fits in one tile runs in one piece.
-_TILE_BYTES = 1 << 20
-
-
-def _doubling_scan(
-    delta: Tensor, gate: Tensor, levels: list[tuple[int, float]], *, fused: bool
-) -> Tensor:
-    """The levels of :func:`_reverse_linear_scan` without autograd: the gate as a 0/1 float
-    multiplied into the carry (``fused``), or as an integer mask selecting it.
-
-    On the CPU a long stream is solved in tiles of :data:`_TILE_BYTES` per thread: after the
-    last level (stride ``k_max``) ``x_j`` depends on ``delta`` and ``gate`` over ``[j, j + 2
-    k_max)`` only, so a tile computed over its own steps plus a halo of ``2 k_max - 1`` more
-    gives its steps the same bits as the whole stream would, while each level reads from
-    cache rather than memory (1.7x faster at 230k markers on one thread).
-    """
+def _doubling_scan(delta: Tensor, gate: Tensor, levels: list[tuple[int, float]]) -> Tensor:
+    """The levels of :func:`_reverse_linear_scan` without autograd, the gate an integer mask
+    (all bits set where true) that selects the carry's bits."""
     n, pad = delta.shape[0], levels[-1][0]
-    halo = 2 * pad - 1
-    tile = n
-    if delta.device.type == "cpu":
-        per_thread = _TILE_BYTES // (4 * delta.element_size())
-        tile = max(halo + 1, per_thread * torch.get_num_threads())
-    span = min(n, tile + halo)
     bits = _BITS[delta.dtype]
     # Two rows that swap roles every level; the pad (k_max zeros, gate false) lets every level
-    # read x[j + k] for all j in the tile.
-    x_buf = delta.new_empty(2, span + pad)
-    g_buf = torch.empty(2, span + pad, dtype=delta.dtype if fused else bits, device=delta.device)
-    if _on_host(delta):  # NumPy's slice assignment costs a fraction of torch's
-        x_buf.numpy()[:, span:] = 0
-        g_buf.numpy()[:, span:] = 0
-    else:
-        x_buf[:, span:] = 0
-        g_buf[:, span:] = 0
+    # read x[j + k] for all j.
+    x_buf = delta.new_empty(2, n + pad)
+    g_buf = torch.empty(2, n + pad, dtype=bits, device=delta.device)
+    x_buf[:, n:] = 0
+    g_buf[:, n:] = 0
     x_rows, g_rows = x_buf.unbind(0), g_buf.unbind(0)
-    if not fused:
-        x_bits = [row.view(bits) for row in x_rows]
-        carry_buf = delta.new_empty(span)
-    combine_gates = torch.mul if fused else torch.bitwise_and  # 0/1 floats multiply exactly
-    out = None if span == n else torch.empty_like(delta)
-    for start in range(0, n, tile):
-        stop = min(n, start + tile)
-        width = min(n, stop + halo) - start
-        if width < span:  # the last tile is shorter: what lies past it must read as zeros
-            x_buf[:, width:span] = 0
-            g_buf[:, width:span] = 0
-        x_head, g_head = [row[:width] for row in x_rows], [row[:width] for row in g_rows]
-        x_head[0].copy_(delta[start : start + width])
-        if fused:  # on the CPU only; NumPy converts bool to float about 6x faster than torch
-            np.copyto(g_head[0].numpy(), gate[start : start + width].numpy())
-        else:
-            torch.neg(gate[start : start + width].to(bits), out=g_head[0])  # true -> all bits
-            carry = carry_buf[:width]
-            carry_bits = carry.view(bits)
-        for level, (k, ck) in enumerate(levels):
-            src, dst = level % 2, 1 - level % 2
-            x_next, g_next = x_rows[src][k : k + width], g_rows[src][k : k + width]
-            if fused:
-                torch.addcmul(x_head[src], g_head[src], x_next, value=ck, out=x_head[dst])
-            else:
-                torch.bitwise_and(x_bits[src][k : k + width], g_head[src], out=carry_bits)
-                torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
-            if level < len(levels) - 1:
-                combine_gates(g_head[src], g_next, out=g_head[dst])
-        result = x_head[len(levels) % 2]
-        if out is None:
-            return result
-        out[start:stop] = result[: stop - start]
-    return out
+    x_bits = [row.view(bits) for row in x_rows]
+    x_head, g_head = [row[:n] for row in x_rows], [row[:n] for row in g_rows]
+    x_head[0].copy_(delta)
+    torch.neg(gate.to(bits), out=g_head[0])  # true -> all bits set
+    carry = delta.new_empty(n)
+    carry_bits = carry.view(bits)
+    for level, (k, ck) in enumerate(levels):
+        src, dst = level % 2, 1 - level % 2
+        torch.bitwise_and(x_bits[src][k : k + n], g_head[src], out=carry_bits)
+        torch.add(x_head[src], carry, alpha=ck, out=x_head[dst])
+        if level < len(levels) - 1:
+            torch.bitwise_and(g_head[src], g_rows[src][k : k + n], out=g_head[dst])
+    return x_head[len(levels) % 2]
 
 
 # The integer dtype of each float dtype's bits, for selections by bitwise ``and``.
@@ -396,89 +337,17 @@ _BITS = {
 }
 
 
-# Below this many elements one branchy torch.where kernel beats the 3-5 bitwise kernels of
-# :func:`_where` (measured on the CPU; the two give the same bits).
-_BITWISE_MIN = 1 << 14
-
-
-def _bitwise_pays(input: Tensor) -> bool:
-    return _on_host(input) and input.numel() >= _BITWISE_MIN
-
-
 def _needs_autograd(*tensors: object) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in tensors
     )
 
 
-def _where(condition: Tensor, input: Tensor, other: Tensor | float) -> Tensor:
-    """``torch.where(condition, input, other)``, bit for bit; ``other`` a tensor or ``0.0``.
-
-    Without autograd it selects with an integer mask (all bits set where ``condition``) on
-    the floats' bits: ``other ^ ((input ^ other) & mask)``, or ``input & mask``. ``torch.where`` and
-    ``masked_fill_`` take about 1 ns per element on the CPU when the condition is irregular
-    (a branch per element), 10-20 times an arithmetic kernel; the bitwise form runs at memory
-    speed, and like ``where`` it never lets a NaN or inf of the unselected side through (a
-    product with a 0/1 mask would: ``0 * inf`` is NaN). Below ``_BITWISE_MIN`` elements, and
-    on other devices (no branches there, and fewer kernel launches), ``torch.where`` is used.
-    """
-    if not isinstance(other, Tensor) and not (other == 0.0 and math.copysign(1.0, other) > 0):
-        raise ValueError(f"other must be a tensor or 0.0, got {other}")
-    if not _bitwise_pays(input) or _needs_autograd(input, other):
-        return torch.where(condition, input, other)
-    bits = _BITS[input.dtype]
-    mask = condition.to(bits).neg_()
-    if isinstance(other, Tensor):
-        other_bits = other.view(bits)
-        out = torch.bitwise_xor(input.view(bits), other_bits)
-        out.bitwise_and_(mask).bitwise_xor_(other_bits)
-    else:
-        out = torch.bitwise_and(input.view(bits), mask)
-    return out.view(input.dtype)
-
-
-def _zero_where(condition: Tensor, input: Tensor) -> Tensor:
-    """``torch.where(condition, 0.0, input)``, bit for bit (see :func:`_where`)."""
-    if not _bitwise_pays(input) or _needs_autograd(input):
-        return input.masked_fill(condition, 0.0)
-    bits = _BITS[input.dtype]
-    keep = condition.to(bits).sub_(1)  # 0 where condition, all bits set elsewhere
-    return torch.bitwise_and(input.view(bits), keep).view(input.dtype)
-
-
-def _run_sums(values: Tensor, marker: Tensor, runs: _Runs) -> Tensor:
-    """Sum of ``values`` over each run: run ``j`` spans steps ``pos[j]`` to ``nxt[j]``.
-
-    ``marker`` (bool) starts the runs, ``runs`` are its :func:`_runs`. On the NumPy path
-    without autograd: ``values[pos]``, plus, for the few runs longer than one step, their
-    tails ``(pos[j], nxt[j]]`` summed by NumPy's ``add.reduceat`` over the alternating tail
-    start / tail end bounds (the stretches between tails are summed and dropped: one
-    ``reduceat`` segment per run costs ~3 ns a segment, most runs are single steps).
-    Elsewhere a ``cumsum`` numbers the runs and ``index_add_`` adds each step into its run.
-    Either way a NaN or inf stays inside its own run.
-    """
-    pos, longer = runs.pos, runs.longer
-    if longer is None or _needs_autograd(values):
-        run = _run_index(marker)
-        return values.new_zeros(pos.numel() + 1).index_add_(0, run, values)[1:]
-    tails = None
-    if longer.size:
-        # [start, end) of each longer run's tail, alternating; the last end may be the
-        # stream's end, where reduceat's last segment stops anyway.
-        bounds = np.empty(2 * longer.size, dtype=np.int64)
-        bounds[0::2] = pos.numpy()[longer] + 1
-        bounds[1::2] = runs.longer_end + 1
-        if bounds[-1] == values.numel():
-            bounds = bounds[:-1]
-        with np.errstate(all="ignore"):  # overflow to inf is the caller's data, as in torch
-            tails = np.add.reduceat(values.numpy(), bounds)[::2]
-    # After reduceat's streaming read the gather finds ``values`` in cache (on a cold array
-    # the gather alone is latency-bound: about 4x slower than a streaming read).
-    sums = values.index_select(0, pos)
-    if tails is not None:
-        with np.errstate(all="ignore"):
-            sums.numpy()[longer] += tails  # indices are unique
-    return sums
+def _run_sums(values: Tensor, marker: Tensor, count: int) -> Tensor:
+    """Sum of ``values`` over each of the ``count`` runs that ``marker`` (bool) starts: a
+    ``cumsum`` numbers the runs and ``index_add_`` adds each step into its run, so a NaN or inf
+    stays inside its own run."""
+    return values.new_zeros(count + 1).index_add_(0, _run_index(marker), values)[1:]
 
 
 def _run_index(marker: Tensor) -> Tensor:
@@ -489,93 +358,35 @@ def _run_index(marker: Tensor) -> Tensor:
 
 def _flat_nonzero(flags: Tensor) -> Tensor:
     """Indices (int64) of the true entries of a 1-D bool tensor; one host synchronisation."""
-    if _on_host(flags):
-        return torch.from_numpy(np.flatnonzero(flags.numpy()))  # see _runs: faster than torch's
+    if flags.device.type == "cpu":  # NumPy's single-threaded nonzero is 5-7x faster than torch's
+        return torch.from_numpy(np.flatnonzero(flags.numpy()))
     return flags.nonzero().squeeze(-1)
 
 
 class _Runs(NamedTuple):
-    """The runs a marker stream starts (see :func:`_runs`).
-
-    Run ``j`` spans steps ``pos[j]`` to ``nxt[j] = pos[j + 1] - 1`` (the stream's last step for
-    the last run). Most runs are a single step (``nxt == pos``): the NumPy path keeps only the
-    few ``longer`` ones, the torch path (any device) keeps ``nxt`` and ``single`` whole;
-    :func:`_run_ends` gives ``nxt`` either way.
-    """
+    """The runs a marker stream starts: run ``j`` spans steps ``pos[j]`` to ``nxt[j] = pos[j +
+    1] - 1`` (the stream's last step for the last run)."""
 
     pos: Tensor  # [M] run starts (int64)
-    nxt: Tensor | None  # torch path: [M] each run's last step
-    single: Tensor | None  # torch path: [M] nxt == pos
-    longer: np.ndarray | None  # NumPy path: the indices j where nxt[j] > pos[j], ascending
-    longer_end: np.ndarray | None  # NumPy path: nxt[longer]
-    length: int  # L, the stream's length
+    nxt: Tensor  # [M] each run's last step
 
 
-def _run_ends(runs: _Runs, index: np.ndarray | None = None) -> Tensor:
-    """``nxt`` (each run's last step), or ``nxt[index]`` for a NumPy array of run indices."""
-    if runs.nxt is not None:
-        return runs.nxt if index is None else runs.nxt[torch.from_numpy(index)]
-    pos = runs.pos.numpy()
-    if index is None:
-        nxt = np.empty_like(pos)
-        np.subtract(pos[1:], 1, out=nxt[:-1])
-        nxt[-1] = runs.length - 1
-        return torch.from_numpy(nxt)
-    following = np.minimum(index + 1, pos.size - 1)
-    return torch.from_numpy(np.where(index + 1 < pos.size, pos[following] - 1, runs.length - 1))
-
-
-# The NumPy path builds the runs from the marker's blocks (maximal stretches of markers) when
-# they are this long on average or longer; shorter blocks are found faster by one nonzero.
-_BLOCK_MIN = 8
-
-
-def _runs(marker: Tensor, *, numpy: bool | None = None, count: int | None = None) -> _Runs:
-    """The runs a 1-D bool ``marker`` starts (``marker[0]`` must be true).
-
-    ``numpy`` (default: :func:`_on_host`) picks the NumPy kernels, else torch's (any device):
-    ``nonzero``, one host synchronisation, or none with ``count``, the number of markers,
-    already known (``nonzero_static``). NumPy's
-    single-threaded nonzero is 5-7x faster than torch's on the CPU (torch 2.x), does not wait
-    for a second thread on a busy machine, and its elementwise kernels on small int arrays
-    cost half of torch's. Markers come in blocks (an agent turn is a stretch of trainable
-    steps); when blocks are long, the NumPy path finds the block edges (a nonzero over the
-    sparse changes of ``marker``) and writes the starts block by block, about 3x faster than a
-    nonzero over ``marker`` itself. Only a block's last marker can have a run longer than one
-    step (its run covers the gap to the next block), so ``longer`` comes for free.
-    """
-    if not (_on_host(marker) if numpy is None else numpy):
-        pos = None
-        if count is not None:
-            try:
-                pos = torch.nonzero_static(marker, size=count).squeeze(-1)
-            except (NotImplementedError, RuntimeError):  # a torch without it on this device
-                pos = None
-        if pos is None:
-            pos = marker.nonzero().squeeze(-1)
-        nxt = torch.empty_like(pos)
-        torch.sub(pos[1:], 1, out=nxt[:-1])
-        nxt[-1] = marker.numel() - 1
-        return _Runs(pos, nxt, nxt == pos, None, None, marker.numel())
-    flags = marker.numpy()
-    length = flags.size
-    edges = np.flatnonzero(flags[1:] != flags[:-1])
-    if edges.size * _BLOCK_MIN > 2 * length:  # short blocks: one nonzero over the markers
-        pos = np.flatnonzero(flags)
-        following = np.append(pos[1:], length)  # the next marker, or the stream's end
-        longer = np.flatnonzero(following - pos > 1)
-        return _Runs(torch.from_numpy(pos), None, None, longer, following[longer] - 1, length)
-    edges += 1  # the first step after each change; flags[0] is true, so blocks alternate
-    starts = np.concatenate((np.zeros(1, np.int64), edges[1::2]))
-    following = np.append(starts[1:], length)  # the next block's start, or the stream's end
-    stops = edges[0::2] if edges.size % 2 else np.append(edges[0::2], length)
-    sizes = stops - starts
-    block_end = np.cumsum(sizes)  # in the compressed stream, exclusive
-    pos = np.repeat(starts - (block_end - sizes), sizes)
-    pos += np.arange(pos.size)
-    gap = following > stops  # false only for a last block that reaches the stream's end
-    return _Runs(torch.from_numpy(pos), None, None, (block_end - 1)[gap], (following - 1)[gap],
-                 length)
+def _runs(marker: Tensor, count: int | None = None) -> _Runs:
+    """The runs a 1-D bool ``marker`` starts (``marker[0]`` must be true): ``nonzero``, one
+    host synchronisation, or none with ``count``, the number of markers, already known
+    (``nonzero_static``)."""
+    pos = None
+    if count is not None:
+        try:
+            pos = torch.nonzero_static(marker, size=count).squeeze(-1)
+        except (NotImplementedError, RuntimeError):  # a torch without it on this device
+            pos = None
+    if pos is None:
+        pos = marker.nonzero().squeeze(-1)
+    nxt = torch.empty_like(pos)
+    torch.sub(pos[1:], 1, out=nxt[:-1])
+    nxt[-1] = marker.numel() - 1
+    return _Runs(pos, nxt)
 
 
 def _bootstrap(next_value: Tensor, value_c: Tensor, runs: _Runs, last: Tensor, term: Tensor
@@ -584,28 +395,12 @@ def _bootstrap(next_value: Tensor, value_c: Tensor, runs: _Runs, last: Tensor, t
     (``0`` there if ``term[nxt]``), else ``V`` at the next marker (``value_c[j + 1]``).
 
     ``runs`` are the markers' :func:`_runs`, ``last`` is ``end[nxt]`` (bool, per marker).
-    Selections, never products, so a NaN or inf stored where it is not read cannot leak. On
-    the NumPy path without autograd ``V'[pos]`` (``V'[nxt]`` of a single run) is gathered and
-    only the few other markers (runs longer than one step, terminated ends) are overwritten.
+    Selections, never products, so a NaN or inf stored where it is not read cannot leak.
     """
-    if runs.longer is None or _needs_autograd(next_value, value_c):
-        nxt = _run_ends(runs)
-        single = runs.single if runs.single is not None else nxt == runs.pos
-        at_end = next_value.index_select(0, nxt)
-        following = torch.cat((value_c[1:], value_c[:1]))  # V at the next marker (wraps)
-        bootstrap = _where(last | single, at_end, following)
-        return _zero_where(term.index_select(0, nxt), bootstrap)
-    bootstrap = next_value.index_select(0, runs.pos)
-    out, last, longer = bootstrap.numpy(), last.numpy(), runs.longer
-    ends_episode = last[longer]
-    inner = longer[~ends_episode]  # never the last marker: it is `last`
-    out[inner] = value_c.numpy()[inner + 1]
-    out[longer[ends_episode]] = next_value.numpy()[runs.longer_end[ends_episode]]
-    # A terminated step ends an episode (checked), so it ends the run of its episode's last
-    # marker: the terminated markers are the last ones whose run ends on a terminated step.
-    ends = np.flatnonzero(last)
-    out[ends[term.numpy()[_run_ends(runs, ends).numpy()]]] = 0.0
-    return bootstrap
+    at_end = next_value.index_select(0, runs.nxt)
+    following = torch.cat((value_c[1:], value_c[:1]))  # V at the next marker (wraps)
+    bootstrap = torch.where(last | (runs.nxt == runs.pos), at_end, following)
+    return bootstrap.masked_fill(term.index_select(0, runs.nxt), 0.0)
 
 
 class _Index(NamedTuple):
@@ -617,31 +412,11 @@ class _Index(NamedTuple):
     train: Tensor  # [M] bool: the marker is a trainable step (else an episode's masked start)
     last: Tensor  # [M] bool: the marker's run ends its episode
     gate: Tensor  # [M] bool: the carry flows from marker j + 1 into j (train and not last)
-    masked: Tensor | None  # host: the indices of the masked markers (few)
-    discounts: tuple[float, float] | None  # device: gamma and lmbda, read with the count
+    discounts: tuple[float, float]  # gamma and lmbda, read with the number of markers
 
 
-def _stream_index_host(m: Tensor, done: Tensor, horizon: int) -> _Index:
-    """:class:`_Index` with NumPy's kernels (bool kernels several times faster than torch's on
-    the CPU, and no thread hand-offs)."""
-    end = done.numpy().copy()
-    end.reshape(-1, horizon)[:, -1] = True  # a row's last step ends its episode
-    trainable = m.numpy()
-    marker = np.empty_like(end)
-    np.logical_or(trainable[1:], end[:-1], out=marker[1:])
-    marker[0] = True
-    runs = _runs(torch.from_numpy(marker))
-    pos = runs.pos.numpy()
-    train = trainable[pos]
-    last = end[pos]  # end[nxt] where the run is a single step
-    last[runs.longer] = end[runs.longer_end]
-    return _Index(torch.from_numpy(marker), runs, torch.from_numpy(train),
-                  torch.from_numpy(last), torch.from_numpy(np.greater(train, last)),
-                  torch.from_numpy(np.flatnonzero(~train)), None)
-
-
-def _stream_index_device(m: Tensor, done: Tensor, horizon: int, checks: _Checks,
-                         gamma: float | Tensor, lmbda: float | Tensor) -> _Index:
+def _stream_index(m: Tensor, done: Tensor, horizon: int, checks: _Checks,
+                  gamma: float | Tensor, lmbda: float | Tensor) -> _Index:
     """:class:`_Index` with torch's kernels, on any device: one host synchronisation reads the
     number of markers, the pending checks' verdicts and ``gamma``, ``lmbda`` if they are
     tensors; the markers are then found without another (``nonzero_static``)."""
@@ -651,10 +426,10 @@ def _stream_index_device(m: Tensor, done: Tensor, horizon: int, checks: _Checks,
     torch.logical_or(m[1:], end[:-1], out=marker[1:])
     marker[0] = True
     gamma_f, lmbda_f, count = _read_discounts(checks, gamma, lmbda, marker.sum())
-    runs = _runs(marker, numpy=False, count=int(count))
+    runs = _runs(marker, count=int(count))
     train = m.index_select(0, runs.pos)
     last = end.index_select(0, runs.nxt)
-    return _Index(marker, runs, train, last, train > last, None, (gamma_f, lmbda_f))
+    return _Index(marker, runs, train, last, train > last, (gamma_f, lmbda_f))
 
 
 def _check_gae_inputs(gamma, lmbda, state_value, next_state_value, reward, done, terminated,
@@ -812,17 +587,38 @@ def masked_generalized_advantage_estimate(
     next_value = stream(next_state_value).to(dtype)
     rew = stream(reward).to(dtype)
     m, term = stream(mask), stream(terminated)
-    # Markers, runs, and which markers are trainable or end their episode. On other devices
-    # the number of markers is read with the checks' verdicts (and gamma, lmbda if they are
-    # device tensors): the hot path's one host synchronisation.
-    if host:
+    length = m.numel()
+    moved_shape = state_value.movedim(time_dim, -1).shape
+
+    def unstream(full: Tensor) -> Tensor:  # [N * T] -> state_value's shape
+        if time_fastest:
+            return full.view(state_value.shape).to(out_dtype)
+        return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
+
+    if host and not _needs_autograd(value, next_value, rew, gamma, lmbda):
+        # The CPU: one compiled pass over each row (masked_rl._cpu_kernel).
         gamma_f, lmbda_f = _read_discounts(checks, gamma_n, lmbda_n)
-        index = _stream_index_host(m, stream(done), horizon)
-    else:
-        index = _stream_index_device(m, stream(done), horizon, checks, gamma_n, lmbda_n)
-        gamma_f, lmbda_f = index.discounts
+        from masked_rl._cpu_kernel import masked_gae_rows  # numba, imported on first use
+
+        advantage, target = value.new_empty(length), value.new_empty(length)
+        has_target = torch.empty(length if masked_value_targets else 0, dtype=torch.bool)
+        scalar = advantage.numpy().dtype.type
+        masked_gae_rows(
+            *(_as_array(x) for x in (value, next_value, rew, stream(done), term, m)), horizon,
+            scalar(gamma_f), scalar(gamma_f * lmbda_f), masked_value_targets,
+            advantage.numpy(), target.numpy(), has_target.numpy())
+        outputs = (unstream(advantage), unstream(target))
+        if masked_value_targets:
+            return *outputs, has_target.view(moved_shape).movedim(-1, time_dim)
+        return outputs
+
+    # Every other device, and autograd: vectorized. Markers, runs, and which markers are
+    # trainable or end their episode; the number of markers is read with the checks' verdicts
+    # (and gamma, lmbda if they are device tensors): the one host synchronisation.
+    index = _stream_index(m, stream(done), horizon, checks, gamma_n, lmbda_n)
+    gamma_f, lmbda_f = index.discounts
     runs, train, last = index.runs, index.train, index.last
-    pos, length = runs.pos, m.numel()
+    pos = runs.pos
     gamma_t = gamma_f  # a tensor only where its gradient is asked for
     if _needs_autograd(gamma):
         gamma_t = gamma.reshape(()).to(value.device, dtype)
@@ -833,53 +629,40 @@ def masked_generalized_advantage_estimate(
         c = gamma_t * lmbda_t
         coefficients = [c ** (1 << level) for level in range(len(coefficients))]
 
-    folded = _run_sums(rew, index.marker, runs)
+    folded = _run_sums(rew, index.marker, pos.numel())
     value_c = value.index_select(0, pos)
     # Bootstrap: V'[e] at the episode's end e (0 if terminated); before an adjacent action
     # V'[t_j] (equal to V[t_j + 1] in a rollout, and what TorchRL reads); else V[t_{j+1}].
     # Selections, never products: NaN or inf stored where it is not read must not leak.
     bootstrap = _bootstrap(next_value, value_c, runs, last, term)
-    masked_c = index.masked  # the host's masked markers, by index (the same bits as selecting)
-
-    def trainable_only(x: Tensor) -> Tensor:  # _where(train, x, 0.0); x is a temporary
-        if masked_c is None or _needs_autograd(x):
-            return _where(train, x, 0.0)
-        return x.index_fill_(0, masked_c, 0.0)
-
     if _needs_autograd(gamma_t):
         delta = bootstrap.mul_(gamma_t).add_(folded)
     else:
         delta = torch.add(folded, bootstrap, alpha=gamma_f)
-    delta = trainable_only(delta.sub_(value_c))
+    delta = torch.where(train, delta.sub_(value_c), 0.0)
     del folded, bootstrap
 
     # The carry flows from j + 1 into an action j of the same episode; a masked marker gets 0.
     advantage_c = _reverse_linear_scan(delta, index.gate, coefficients)
-    target_c = trainable_only(advantage_c + value_c)
+    target_c = torch.where(train, advantage_c + value_c, 0.0)
 
-    moved_shape = state_value.movedim(time_dim, -1).shape
-
-    def unstream(x: Tensor) -> Tensor:
-        if x.numel() == length:  # the masked value targets are per step already
-            full = x
-        elif _on_host(x) and not _needs_autograd(x):  # NumPy scatters faster
-            full = x.new_zeros(length)
-            full.numpy()[pos.numpy()] = x.numpy()
-        else:
-            full = x.new_zeros(length).index_copy(0, pos, x)
-        if time_fastest:
-            return full.view(state_value.shape).to(out_dtype)
-        return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
+    def scatter(x: Tensor) -> Tensor:  # per marker -> per step, 0 elsewhere
+        return x.new_zeros(length).index_copy(0, pos, x)
 
     if not masked_value_targets:
-        return unstream(advantage_c), unstream(target_c)
+        return unstream(scatter(advantage_c)), unstream(scatter(target_c))
     target, has_target = _masked_step_targets(
-        target_c, train.logical_not(), last, pos, _run_ends(runs), _run_index(index.marker),
+        target_c, train.logical_not(), last, pos, runs.nxt, _run_index(index.marker),
         index.marker, m, rew, term,
         next_value, gamma_t if gamma_f > 0 else None, horizon,
     )
     has_target = has_target.view(moved_shape).movedim(-1, time_dim)
-    return unstream(advantage_c), unstream(target), has_target
+    return unstream(scatter(advantage_c)), unstream(target), has_target
+
+
+def _as_array(x: Tensor) -> np.ndarray:
+    """A CPU tensor as a contiguous NumPy array (a view where it is one already)."""
+    return x.detach().resolve_neg().contiguous().numpy()
 
 
 def _masked_step_targets(

@@ -162,10 +162,10 @@ def test_nonfinite_reward_stays_in_its_episode(poison, poisoned_episode, require
     value, next_value, reward, done, terminated, mask = make_rollout(2, 12, p_done=0.0, seed=21)
     mask[:] = True
     done[:, 5] = terminated[:, 5] = True
-    clean = mgae(0.9, 0.9, value, next_value, reward, done, terminated, mask)[0]
+    value.requires_grad_(requires_grad)  # both runs on one path: the paths round differently
+    clean = mgae(0.9, 0.9, value, next_value, reward, done, terminated, mask)[0].detach()
     step = 3 if poisoned_episode == 0 else 9
     reward[0, step] = poison
-    value.requires_grad_(requires_grad)
     adv = mgae(0.9, 0.9, value, next_value, reward, done, terminated, mask)[0].detach()
     episode_start = 0 if poisoned_episode == 0 else 6
     poisoned = torch.zeros(2, 12, dtype=torch.bool)

@@ -1,15 +1,14 @@
 """masked_rl.functional under overflow and non-finite values, gradients in gamma and lmbda, and
-the hot path's helpers (bitwise selection, run sums, the scan) against plain references.
+the vectorized path's helpers (runs, run sums, bootstrap, the scan) against plain references.
 
-Every containment test runs on both code paths: without autograd (bitwise selections, NumPy
-run sums on the CPU) and with autograd (``torch.where``, ``index_add_``).
+Every containment test runs on both code paths: without autograd (the CPU's compiled pass) and
+with autograd (the vectorized path: ``torch.where``, ``index_add_``, the doubling scan).
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,17 +17,13 @@ from masked_gae_reference import make_rollout
 
 from masked_rl import masked_generalized_advantage_estimate as mgae
 from masked_rl.functional import (
-    _BITWISE_MIN,
     _any,
     _bootstrap,
     _doubling_scan,
     _reverse_linear_scan,
-    _run_ends,
     _run_sums,
     _runs,
     _scan_levels,
-    _where,
-    _zero_where,
 )
 
 
@@ -75,11 +70,11 @@ def test_overflow_in_one_episode_leaves_its_neighbours_bit_identical(
     done[:, 9] = terminated[:, 9] = done[:, 19] = True
     mask[:] = True
     mask[:, 3:6] = mask[:, 12:14] = False
-    clean = mgae(0.99, 1.0, value, next_value, reward, done, terminated, mask)
+    value.requires_grad_(requires_grad)  # both runs on one path: the paths round differently
+    clean = [x.detach() for x in mgae(0.99, 1.0, value, next_value, reward, done, terminated, mask)]
     lo, hi = (0, 10) if overflowing_episode == 0 else (10, 20)
     # Finite deltas (no reward on masked steps to fold): the sums overflow in the scan itself.
     reward[0, lo:hi] = torch.where(mask[0, lo:hi, None], 1e38, 0.0)
-    value.requires_grad_(requires_grad)
     got = mgae(0.99, 1.0, value, next_value, reward, done, terminated, mask)
     outside = torch.ones(2, 30, 1, dtype=torch.bool)
     outside[0, lo:hi] = False
@@ -112,10 +107,11 @@ def poisoned_rollouts(draw):
 @given(poisoned_rollouts(), st.booleans())
 def test_any_value_in_one_episode_leaves_every_other_episode_bit_identical(case, requires_grad):
     gamma, lmbda, data, hits, mode = case
-    clean = mgae(gamma, lmbda, *data)
+    data[0] = data[0].requires_grad_(requires_grad)  # both runs on one path
+    clean = [x.detach() for x in mgae(gamma, lmbda, *data)]
     ids = episode_ids(data[3])
     victim = ids[hits[0][1], hits[0][2]]
-    dirty = [x.clone() for x in data]
+    dirty = [x.detach().clone() for x in data]
     if mode != "poison":  # finite deltas whose sums overflow inside the scan
         in_victim = (ids == victim).unsqueeze(-1)
         large = torch.full_like(dirty[2], torch.finfo(dirty[2].dtype).max / 4)
@@ -133,11 +129,10 @@ def test_any_value_in_one_episode_leaves_every_other_episode_bit_identical(case,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_large_stream_keeps_nan_inf_and_overflow_in_their_episodes(dtype):
-    # Streams long enough for the bitwise selections (small ones use torch.where).
+    # Long rows, many episodes, on the CPU's compiled pass.
     data = list(make_rollout(4, 8192, p_mask=0.6, p_done=0.01, seed=11, dtype=dtype))
     clean = mgae(0.99, 0.97, *data)
     ids = episode_ids(data[3])
-    assert (ids.unsqueeze(-1) >= 0).sum() > _BITWISE_MIN
     dirty = [x.clone() for x in data]
     victims = ids[:, [100, 5000]].flatten().unique()  # two episodes in every row
     in_victims = torch.isin(ids, victims).unsqueeze(-1)
@@ -190,22 +185,6 @@ def test_tensor_gamma_with_gradient_gives_the_float_values():
 # --- the hot path's helpers ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
-# torch.where below the threshold, the bitwise kernels above it
-@pytest.mark.parametrize("size", [200, _BITWISE_MIN])
-def test_bitwise_where_is_torch_where_bit_for_bit(dtype, size):
-    gen = torch.Generator().manual_seed(0)
-    specials = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, 1.0], dtype=dtype)
-    a = torch.cat((torch.randn(size, generator=gen).to(dtype), specials))
-    b = torch.cat((specials, torch.randn(size, generator=gen).to(dtype)))
-    cond = torch.rand(a.numel(), generator=gen) < 0.5
-    assert torch.equal(bits(_where(cond, a, b)), bits(torch.where(cond, a, b)))
-    assert torch.equal(bits(_where(cond, a, 0.0)), bits(torch.where(cond, a, 0.0)))
-    assert torch.equal(bits(_zero_where(cond, a)), bits(torch.where(cond, 0.0, a)))
-    with pytest.raises(ValueError, match="other"):
-        _where(cond, a, -0.0)
-
-
 def runs_of(marker):
     """Plain Python: the [start, end] step range of every run (a marker starts a run)."""
     starts = [i for i, flag in enumerate(marker.tolist()) if flag]
@@ -213,56 +192,36 @@ def runs_of(marker):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("requires_grad", [False, True])  # NumPy reduceat / index_add_
-def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed, requires_grad):
+def test_run_sums_sum_every_run_and_keep_nan_inside_it(seed):
     gen = torch.Generator().manual_seed(seed)
     length = 300
-    if seed < 3:  # scattered markers: short blocks, one nonzero over the markers
+    if seed < 3:  # scattered markers
         marker = torch.rand(length, generator=gen) < [0.05, 0.5, 0.95][seed]
-    else:  # agent turns: long blocks of markers, the runs are built block by block
+    else:  # agent turns: long blocks of markers, and a few lone markers
         turn = torch.randint(1, 40, (length,), generator=gen).cumsum(0)
         block = torch.searchsorted(turn, torch.arange(length), right=True)
         marker = block % 2 == 0
-        marker[torch.rand(length, generator=gen) < 0.02] = True  # a few lone markers too
+        marker[torch.rand(length, generator=gen) < 0.02] = True
     marker[0] = True
     marker[-1] = bool(seed % 2)  # a last run of one step, or longer
     values = torch.randn(length, generator=gen, dtype=torch.float64)
     values[7] = math.nan
     runs = _runs(marker)
     want_runs = runs_of(marker)
-    assert list(zip(runs.pos.tolist(), _run_ends(runs).tolist())) == want_runs
-    assert runs.longer.tolist() == [j for j, (a, b) in enumerate(want_runs) if b > a]
-    assert runs.longer_end.tolist() == [b for a, b in want_runs if b > a]
-    some = np.array([0, len(want_runs) // 2, len(want_runs) - 1])
-    assert _run_ends(runs, some).tolist() == [want_runs[j][1] for j in some]
-    torch_runs = _runs(marker, numpy=False)  # other devices
-    assert torch_runs.longer is None
-    assert torch.equal(torch_runs.pos, runs.pos) and torch.equal(torch_runs.nxt, _run_ends(runs))
-    assert torch_runs.single.tolist() == [a == b for a, b in want_runs]
-    assert torch.equal(_runs(marker, numpy=False, count=len(want_runs)).nxt, torch_runs.nxt)
+    assert list(zip(runs.pos.tolist(), runs.nxt.tolist())) == want_runs
+    static = _runs(marker, count=len(want_runs))  # nonzero_static, no synchronisation
+    assert torch.equal(static.pos, runs.pos) and torch.equal(static.nxt, runs.nxt)
     want = [sum(values[a : b + 1].tolist()) for a, b in want_runs]
-    got = _run_sums(values.clone().requires_grad_(requires_grad), marker, runs)
-    torch.testing.assert_close(got.detach(), torch.tensor(want, dtype=torch.float64),
+    got = _run_sums(values, marker, len(want_runs))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64),
                                rtol=1e-12, atol=1e-12, equal_nan=True)
     assert got.isnan().sum() == 1
-    by_torch = _run_sums(values, marker, torch_runs)  # index_add_
-    torch.testing.assert_close(by_torch, got.detach(), rtol=1e-12, atol=1e-12, equal_nan=True)
-
-
-def test_runs_take_both_numpy_paths():
-    # Blocks of 2 markers on average take the one-nonzero path, blocks of 50 the block path;
-    # both must agree with torch's nonzero.
-    for size in (2, 50):
-        marker = (torch.arange(10_000) // size) % 2 == 0
-        mine, torchs = _runs(marker), _runs(marker, numpy=False)
-        assert torch.equal(mine.pos, torchs.pos) and torch.equal(_run_ends(mine), torchs.nxt)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_bootstrap_reads_the_rule_and_only_it(seed):
-    # The CPU fast path (gather, then sparse overwrites) against a plain loop over markers and
-    # against the selecting path (taken under autograd), bit for bit, with NaN and inf in V' at
-    # steps the rule reads and at steps it must not read.
+    # Against a plain loop over markers, bit for bit, with and without autograd, with NaN and
+    # inf in V' at steps the rule reads and at steps it must not read.
     gen = torch.Generator().manual_seed(seed)
     length = 400
     end = torch.rand(length, generator=gen) < 0.05
@@ -272,7 +231,7 @@ def test_bootstrap_reads_the_rule_and_only_it(seed):
     marker[0] = True
     marker[1:] |= end[:-1]
     runs = _runs(marker)
-    pos, nxt = runs.pos, _run_ends(runs)
+    pos, nxt = runs.pos, runs.nxt
     single = nxt == pos
     last = end.index_select(0, nxt)
     value_c = torch.randn(pos.numel(), generator=gen, dtype=torch.float64)
@@ -290,11 +249,9 @@ def test_bootstrap_reads_the_rule_and_only_it(seed):
     want = torch.tensor(want, dtype=torch.float64)
     got = _bootstrap(next_value, value_c, runs, last, term)
     selected = _bootstrap(next_value, value_c.clone().requires_grad_(), runs, last, term)
-    by_torch = _bootstrap(next_value, value_c, _runs(marker, numpy=False), last, term)
     assert torch.equal(bits(got), bits(want))
     assert torch.equal(bits(selected.detach()), bits(want))
-    assert torch.equal(bits(by_torch), bits(want))
-    assert bool(term.any())  # the terminated fix-up is exercised, and the other one
+    assert bool(term.any())  # terminated ends are exercised, and runs longer than one step
     assert bool(single.all()) == (seed == 3)  # except on an all-marker stream
 
 
@@ -329,41 +286,22 @@ def test_any_of_bool_flags():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_and_selecting_scans_agree_bit_for_bit_on_finite_data(dtype):
-    # The CPU keeps the fused scan only when it is exact; the fallback must then give the same
-    # bits, or a NaN in one episode would move the rounding of every other one.
-    gen = torch.Generator().manual_seed(1)
-    delta = torch.randn(5000, generator=gen, dtype=torch.float64).to(dtype) * 1e3
-    gate = torch.rand(5000, generator=gen) < 0.99
-    gate[-1] = False
-    levels = [(1 << i, c) for i, c in enumerate(_scan_levels(0.97, 5000, dtype))]
-    fused = _doubling_scan(delta, gate, levels, fused=True)
-    selected = _doubling_scan(delta, gate, levels, fused=False)
-    assert torch.equal(bits(fused), bits(selected))
-
-
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("tile_bytes", [64, 4096, 16384])
-def test_tiled_scan_gives_the_bits_of_the_whole_stream(monkeypatch, fused, tile_bytes):
-    # Tiles with a halo (the CPU's cache blocking) against one piece, bit for bit, with episode
-    # ends near the tile edges and a last tile shorter than the others. float32 and c = 0.5:
-    # 8 levels (c**256 underflows), a halo of 255 steps, tiles of 256 to 1024 steps a thread.
-    gen = torch.Generator().manual_seed(tile_bytes)
+def test_doubling_scan_keeps_inf_and_nan_in_their_episodes(dtype):
+    # The selecting scan (no autograd): inf and NaN exactly where the serial scan has them (the
+    # steps of their episode up to them), and the serial scan's values elsewhere. c = 0.5:
+    # 8 levels in float32, windows of 256 steps, longer than any episode here.
+    gen = torch.Generator().manual_seed(3)
     length = 5001
-    delta = torch.randn(length, generator=gen)
-    delta[1234] = 3e38  # the fused pass overflows in one episode: the selecting one is tiled too
-    gate = torch.rand(length, generator=gen) < 0.995
+    delta = torch.randn(length, generator=gen, dtype=dtype)
+    delta[1234], delta[3050] = math.inf, math.nan
+    gate = torch.rand(length, generator=gen) < 0.98
+    gate[199::200] = False  # episodes of at most 200 steps
     gate[-1] = False
-    levels = [(1 << i, c) for i, c in enumerate(_scan_levels(0.5, length, torch.float32))]
-    assert levels[-1][0] == 128
-    whole = _doubling_scan(delta, gate, levels, fused=fused)
-    monkeypatch.setattr("masked_rl.functional._TILE_BYTES", tile_bytes)
-    tile = max(256, tile_bytes // (4 * delta.element_size()) * torch.get_num_threads())
-    assert tile + 255 < length  # several tiles
-    tiled = _doubling_scan(delta, gate, levels, fused=fused)
-    assert torch.equal(bits(tiled), bits(whole))
-    want = serial_scan(delta.double(), gate, 0.5)
-    finite = torch.isfinite(tiled)
-    torch.testing.assert_close(tiled[finite].double(), want[finite], rtol=1e-6, atol=1e-6)
-    if not fused:  # the selecting scan is exact everywhere: inf where the serial one is inf
-        assert torch.equal(finite, torch.isfinite(want.float()) & torch.isfinite(want))
+    levels = [(1 << i, c) for i, c in enumerate(_scan_levels(0.5, length, dtype))]
+    got = _doubling_scan(delta, gate, levels)
+    want = serial_scan(delta, gate, 0.5)
+    assert int(torch.isinf(want).sum()) > 1 and int(torch.isnan(want).sum()) > 1
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    finite = torch.isfinite(got)
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-5)
