@@ -4,22 +4,71 @@
 by step from a row's end to its start, compiled by numba to machine code (no Python runs per
 step). A row is read once and each output written once, so on the CPU it runs at about the
 speed of one pass over the data, several times faster than the vectorized path of
-:mod:`masked_rl.functional` (which the other devices and autograd use). It runs on one thread and
-holds no lock: no threading layer, safe to call from several threads and after a ``fork``.
+:mod:`masked_rl.functional` (which the other devices and autograd use). :func:`masked_gae`
+spreads the rows over torch's number of threads (``torch.set_num_threads``).
 
-Compiled on first use for each dtype (about a second); ``cache=True`` keeps the machine code in a
+Compiled on first use for each dtype (a few seconds); ``cache=True`` keeps the machine code in a
 ``__pycache__`` folder (numba's user-wide cache when the package's folder is read-only).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numba
+import numpy as np
+import torch
+
+# Below this many steps a call runs on one thread (starting the others costs more).
+_PARALLEL_MIN_STEPS = 1 << 15
+
+# numba's threading layers differ in what they survive: its "workqueue" layer aborts the
+# process when two threads launch parallel work at once, and under its "omp" layer (GNU OpenMP)
+# a process forked after a parallel run is terminated by numba when it launches one. So one
+# thread at a time runs the parallel kernel (the others run their rows on their own thread
+# meanwhile), and only the process that imported this module does.
+_LAUNCH = threading.Lock()
+_LAUNCH_PID = os.getpid()
+
+
+def masked_gae(value: np.ndarray, next_value: np.ndarray, reward: np.ndarray, done: np.ndarray,
+               terminated: np.ndarray, trainable: np.ndarray, horizon: int, gamma: float,
+               gamma_lmbda: float, masked_targets: bool, advantage: np.ndarray,
+               target: np.ndarray, has_target: np.ndarray) -> None:
+    """:func:`masked_gae_rows` over every row, on up to ``torch.get_num_threads()`` threads
+    (the outputs are the same bits whatever the number: each row is one thread's)."""
+    rows = value.size // horizon
+    scalar = value.dtype.type
+    args = (value, next_value, reward, done, terminated, trainable, horizon, scalar(gamma),
+            scalar(gamma_lmbda), masked_targets, advantage, target, has_target)
+    threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, rows)
+    if threads > 1 and value.size >= _PARALLEL_MIN_STEPS and os.getpid() == _LAUNCH_PID:
+        if _LAUNCH.acquire(blocking=False):
+            try:  # one chunk of rows a thread (numba's other threads, if any, stay idle)
+                _masked_gae_chunks(np.arange(threads + 1) * rows // threads, *args)
+                return
+            finally:
+                _LAUNCH.release()
+    masked_gae_rows(np.array([0, rows], dtype=np.int64), *args)
+
+
+@numba.njit(cache=True, nogil=True, parallel=True)
+def _masked_gae_chunks(bounds, value, next_value, reward, done, terminated, trainable, horizon,
+                       gamma, gamma_lmbda, masked_targets, advantage, target, has_target):
+    """:func:`masked_gae_rows` on the rows ``bounds[i]`` to ``bounds[i + 1] - 1``, one chunk a
+    thread."""
+    for chunk in numba.prange(bounds.size - 1):
+        masked_gae_rows(bounds[chunk : chunk + 2], value, next_value, reward, done, terminated,
+                        trainable, horizon, gamma, gamma_lmbda, masked_targets, advantage,
+                        target, has_target)
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
-def masked_gae_rows(value, next_value, reward, done, terminated, trainable, horizon, gamma,
+def masked_gae_rows(rows, value, next_value, reward, done, terminated, trainable, horizon, gamma,
                     gamma_lmbda, masked_targets, advantage, target, has_target):
-    """Masked GAE of rows of ``horizon`` steps, stored one after the other (C order).
+    """Masked GAE of the rows ``rows[0]`` to ``rows[1] - 1`` of ``horizon`` steps each, stored one
+    after the other (C order).
 
     ``value`` ... ``reward``: 1-D float arrays of one dtype; ``done``, ``terminated``,
     ``trainable``: 1-D bool arrays of the same length, ``terminated`` implying ``done``;
@@ -36,7 +85,7 @@ def masked_gae_rows(value, next_value, reward, done, terminated, trainable, hori
     stored anywhere else (masked steps' values, a terminated end's ``V'``) cannot reach an output.
     """
     zero = value.dtype.type(0)
-    for row in range(value.size // horizon):
+    for row in range(rows[0], rows[1]):
         first, last = row * horizon, row * horizon + horizon - 1
         end_value = zero
         pending = zero

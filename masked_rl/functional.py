@@ -598,14 +598,13 @@ def masked_generalized_advantage_estimate(
     if host and not _needs_autograd(value, next_value, rew, gamma, lmbda):
         # The CPU: one compiled pass over each row (masked_rl._cpu_kernel).
         gamma_f, lmbda_f = _read_discounts(checks, gamma_n, lmbda_n)
-        from masked_rl._cpu_kernel import masked_gae_rows  # numba, imported on first use
+        from masked_rl._cpu_kernel import masked_gae  # numba, imported on first use
 
         advantage, target = value.new_empty(length), value.new_empty(length)
         has_target = torch.empty(length if masked_value_targets else 0, dtype=torch.bool)
-        scalar = advantage.numpy().dtype.type
-        masked_gae_rows(
+        masked_gae(
             *(_as_array(x) for x in (value, next_value, rew, stream(done), term, m)), horizon,
-            scalar(gamma_f), scalar(gamma_f * lmbda_f), masked_value_targets,
+            gamma_f, gamma_f * lmbda_f, masked_value_targets,
             advantage.numpy(), target.numpy(), has_target.numpy())
         outputs = (unstream(advantage), unstream(target))
         if masked_value_targets:

@@ -1,0 +1,141 @@
+"""The CPU kernel (masked_rl._cpu_kernel): rows spread over threads give the one-thread bits,
+and the guards that keep numba's threading layers out of trouble (concurrent callers, fork)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+from masked_gae_reference import make_rollout, serial_masked_gae_batch
+
+from masked_rl import _cpu_kernel
+from masked_rl import masked_generalized_advantage_estimate as mgae
+
+# Rows x steps at or above the size where the parallel kernel runs.
+ROWS, STEPS = 6, _cpu_kernel._PARALLEL_MIN_STEPS // 2
+
+
+def _run(data, threads, **kwargs):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return mgae(0.99, 0.95, *data, **kwargs)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _calls(monkeypatch):
+    """Counts of the kernels' launches, by name."""
+    # Compile both first: numba binds the serial kernel into the parallel one when it compiles.
+    _run(make_rollout(ROWS, STEPS, seed=0), 2)
+    counts = {"serial": 0, "parallel": 0}
+    serial, parallel = _cpu_kernel.masked_gae_rows, _cpu_kernel._masked_gae_chunks
+
+    def count(name, kernel):
+        def wrapper(*args):
+            counts[name] += 1
+            return kernel(*args)
+        return wrapper
+
+    monkeypatch.setattr(_cpu_kernel, "masked_gae_rows", count("serial", serial))
+    monkeypatch.setattr(_cpu_kernel, "_masked_gae_chunks", count("parallel", parallel))
+    return counts
+
+
+@pytest.mark.parametrize("masked_value_targets", [False, True])
+@pytest.mark.parametrize("rows", [2, ROWS])
+def test_rows_on_two_threads_give_the_bits_of_one(monkeypatch, masked_value_targets, rows):
+    data = make_rollout(rows, STEPS, p_mask=0.4, p_done=0.002, seed=rows)
+    counts = _calls(monkeypatch)
+    one = _run(data, 1, masked_value_targets=masked_value_targets)
+    assert counts == {"serial": 1, "parallel": 0}
+    two = _run(data, 2, masked_value_targets=masked_value_targets)
+    if _cpu_kernel.numba.config.NUMBA_NUM_THREADS > 1:
+        assert counts == {"serial": 1, "parallel": 1}
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    ref_adv, ref_target = serial_masked_gae_batch(0.99, 0.95, *data)
+    torch.testing.assert_close(two[0], ref_adv, rtol=0, atol=1e-10)
+
+
+def test_small_batches_stay_on_one_thread(monkeypatch):
+    counts = _calls(monkeypatch)
+    _run(make_rollout(4, 100, seed=1), 2)
+    _run(make_rollout(1, _cpu_kernel._PARALLEL_MIN_STEPS, seed=1), 2)  # one row: one thread
+    assert counts == {"serial": 2, "parallel": 0}
+
+
+def test_a_second_caller_runs_on_its_own_thread_meanwhile(monkeypatch):
+    # While one thread holds the parallel kernel, another call does not wait for it (nor launch
+    # parallel work at once, which numba's workqueue layer would abort on).
+    data = make_rollout(ROWS, STEPS, seed=2)
+    want = _run(data, 1)
+    counts = _calls(monkeypatch)
+    assert _cpu_kernel._LAUNCH.acquire(blocking=False)
+    try:
+        got = _run(data, 2)
+    finally:
+        _cpu_kernel._LAUNCH.release()
+    assert counts == {"serial": 1, "parallel": 0}
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_forked_process_runs_on_one_thread(monkeypatch):
+    # The guard: a process forked after the parallel kernel ran (GNU OpenMP's pool would hang
+    # there) uses the one-thread kernel.
+    counts = _calls(monkeypatch)
+    monkeypatch.setattr(_cpu_kernel, "_LAUNCH_PID", -1)  # as if this process were a fork
+    data = make_rollout(ROWS, STEPS, seed=3)
+    got = _run(data, 2)
+    assert counts == {"serial": 1, "parallel": 0}
+    assert all(torch.equal(a, b) for a, b in zip(got, _run(data, 1)))
+
+
+def _child(queue, data):
+    # No torch kernel here: torch's own OpenMP pool is not usable in a forked child either.
+    torch.set_num_threads(2)
+    queue.put([float(x.numpy().sum()) for x in mgae(0.99, 0.95, *data)])
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="no fork here")
+def test_fork_after_the_parallel_kernel_ran_is_safe(monkeypatch):
+    # Without the guard numba terminates the child ("fork() called from a process already using
+    # GNU OpenMP") or, with another OpenMP, it hangs.
+    data = make_rollout(ROWS, STEPS, seed=4)
+    counts = _calls(monkeypatch)
+    want = [float(x.numpy().sum()) for x in _run(data, 2)]
+    if _cpu_kernel.numba.config.NUMBA_NUM_THREADS > 1:
+        assert counts["parallel"] == 1  # the parent ran the parallel kernel before the fork
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(queue, data))
+    child.start()
+    child.join(timeout=60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+    assert not hung, "the forked child hung in the CPU kernel"
+    assert child.exitcode == 0 and queue.get(timeout=5) == want
+
+
+def test_concurrent_callers_get_their_own_results():
+    batches = [make_rollout(ROWS, STEPS, seed=seed) for seed in range(4)]
+    want = [_run(data, 1) for data in batches]
+    got = [None] * len(batches)
+
+    def work(i):
+        got[i] = mgae(0.99, 0.95, *batches[i])
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batches))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        torch.set_num_threads(previous)
+    for a, b in zip(got, want):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
