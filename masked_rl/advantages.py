@@ -61,8 +61,8 @@ class MaskedGAE(GAE):
     their meaning (``value_network`` or precomputed ``"state_value"`` /
     ``("next", "state_value")``, ``average_gae``, ``group_key``, ``differentiable``,
     ``skip_existing``, ``shifted``, ``device``, ``time_dim``, ``auto_reset_env``, value
-    chunking). ``vectorized`` is accepted and ignored: the estimator is always
-    vectorized and exact (no filter truncation).
+    chunking). ``vectorized`` is accepted and ignored: the estimator is always exact (no
+    filter truncation), one compiled pass over each row on the CPU, vectorized elsewhere.
 
     Keyword Args:
         masked_value_targets (bool): also write value targets at masked steps and the bool
