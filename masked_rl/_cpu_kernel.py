@@ -90,7 +90,7 @@ def masked_gae_rows(rows, value, next_value, reward, done, terminated, trainable
         end_value = zero
         pending = zero
         next_step = -1  # the next action of the episode (-1: none after this step)
-        next_value_at = zero
+        next_action_value = zero
         next_advantage = zero
         next_target = zero
         episode_end = last
@@ -106,14 +106,14 @@ def masked_gae_rows(rows, value, next_value, reward, done, terminated, trainable
                     delta = folded + gamma * end_value - value[t]
                     adv = delta
                 else:
-                    bootstrap = next_value[t] if next_step == t + 1 else next_value_at
+                    bootstrap = next_value[t] if next_step == t + 1 else next_action_value
                     delta = folded + gamma * bootstrap - value[t]
                     adv = delta + gamma_lmbda * next_advantage
                 advantage[t] = adv
                 target[t] = adv + value[t]
                 pending = zero
                 next_step = t
-                next_value_at = value[t]
+                next_action_value = value[t]
                 next_advantage = adv
                 next_target = target[t]
                 if masked_targets:
