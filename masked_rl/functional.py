@@ -579,21 +579,24 @@ def masked_generalized_advantage_estimate(
     # then moving it last changes no element's place, and plain reshapes do.
     time_fastest = all(size == 1 for size in state_value.shape[time_dim + 1 :])
 
-    def stream(x: Tensor) -> Tensor:
+    def stream(x: Tensor, as_dtype: torch.dtype | None = None) -> Tensor:
         # [*B, T, F] -> [N * T] with time fastest, so each row is a contiguous run.
-        return x.reshape(-1) if time_fastest else x.movedim(time_dim, -1).reshape(-1)
+        x = x.reshape(-1) if time_fastest else x.movedim(time_dim, -1).reshape(-1)
+        return x if as_dtype is None or x.dtype == as_dtype else x.to(as_dtype)
 
-    value = stream(state_value).to(dtype)
-    next_value = stream(next_state_value).to(dtype)
-    rew = stream(reward).to(dtype)
+    value = stream(state_value, dtype)
+    next_value = stream(next_state_value, dtype)
+    rew = stream(reward, dtype)
     m, term = stream(mask), stream(terminated)
     length = m.numel()
     moved_shape = state_value.movedim(time_dim, -1).shape
 
-    def unstream(full: Tensor) -> Tensor:  # [N * T] -> state_value's shape
+    def unstream(full: Tensor) -> Tensor:  # [N * T] -> state_value's shape and dtype
         if time_fastest:
-            return full.view(state_value.shape).to(out_dtype)
-        return full.view(moved_shape).movedim(-1, time_dim).to(out_dtype)
+            out = full.view(state_value.shape)
+        else:
+            out = full.view(moved_shape).movedim(-1, time_dim)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
     if host and not _needs_autograd(value, next_value, rew, gamma, lmbda):
         # The CPU: one compiled pass over each row (masked_rl._cpu_kernel).
@@ -661,7 +664,7 @@ def masked_generalized_advantage_estimate(
 
 def _as_array(x: Tensor) -> np.ndarray:
     """A CPU tensor as a contiguous NumPy array (a view where it is one already)."""
-    return x.detach().resolve_neg().contiguous().numpy()
+    return np.ascontiguousarray(x.numpy(force=True))
 
 
 def _masked_step_targets(
