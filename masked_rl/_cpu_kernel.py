@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import numba
 import numpy as np
@@ -30,6 +31,19 @@ _PARALLEL_MIN_STEPS = 1 << 15
 # meanwhile), and only the process that imported this module does.
 _LAUNCH = threading.Lock()
 _LAUNCH_PID = os.getpid()
+
+
+def _compiled(**options):
+    """``numba.njit`` with machine code cached on disk, or, where numba finds no writable folder
+    for it (it raises then), compiled anew in every process, with a warning."""
+    def decorate(function):
+        try:
+            return numba.njit(cache=True, nogil=True, **options)(function)
+        except RuntimeError as error:
+            warnings.warn(f"masked_rl: the CPU kernel is compiled in every process ({error}); "
+                          "set NUMBA_CACHE_DIR to a writable folder to cache it", stacklevel=2)
+            return numba.njit(nogil=True, **options)(function)
+    return decorate
 
 
 def masked_gae(value: np.ndarray, next_value: np.ndarray, reward: np.ndarray, done: np.ndarray,
@@ -53,7 +67,7 @@ def masked_gae(value: np.ndarray, next_value: np.ndarray, reward: np.ndarray, do
     masked_gae_rows(np.array([0, rows], dtype=np.int64), *args)
 
 
-@numba.njit(cache=True, nogil=True, parallel=True)
+@_compiled(parallel=True)
 def _masked_gae_chunks(bounds, value, next_value, reward, done, terminated, trainable, horizon,
                        gamma, gamma_lmbda, masked_targets, advantage, target, has_target):
     """:func:`masked_gae_rows` on the rows ``bounds[i]`` to ``bounds[i + 1] - 1``, one chunk a
@@ -64,7 +78,7 @@ def _masked_gae_chunks(bounds, value, next_value, reward, done, terminated, trai
                         target, has_target)
 
 
-@numba.njit(cache=True, nogil=True, boundscheck=False)
+@_compiled(boundscheck=False)
 def masked_gae_rows(rows, value, next_value, reward, done, terminated, trainable, horizon, gamma,
                     gamma_lmbda, masked_targets, advantage, target, has_target):
     """Masked GAE of the rows ``rows[0]`` to ``rows[1] - 1`` of ``horizon`` steps each, stored one

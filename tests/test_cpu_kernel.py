@@ -4,6 +4,8 @@ and the guards that keep numba's threading layers out of trouble (concurrent cal
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -139,3 +141,28 @@ def test_concurrent_callers_get_their_own_results():
         torch.set_num_threads(previous)
     for a, b in zip(got, want):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_without_a_writable_cache_folder_the_kernel_compiles_and_warns():
+    # numba raises when no locator finds a writable folder for its cache; simulated here by
+    # giving it no locator at all, in a fresh process.
+    script = """
+import warnings, torch
+from numba.core import caching
+impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # the name varies by version
+impl._locator_classes = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from masked_rl import masked_generalized_advantage_estimate as mgae
+    value = torch.arange(6.0).view(1, 6, 1)
+    done = torch.zeros(1, 6, 1, dtype=torch.bool)
+    done[0, -1] = True
+    adv, _ = mgae(1.0, 1.0, value, value, value, done, done, torch.ones(1, 6, dtype=torch.bool))
+assert any("NUMBA_CACHE_DIR" in str(w.message) for w in caught), [str(w.message) for w in caught]
+print(adv.flatten().tolist())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # V = V' = r = t, gamma = lmbda = 1, terminated at 5: delta_t = t (0 at 5), A_t = sum of them
+    assert done.stdout.split("\n")[-2] == str([10.0, 10.0, 9.0, 7.0, 4.0, 0.0])
