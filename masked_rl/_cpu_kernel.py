@@ -122,7 +122,8 @@ def masked_gae_rows(rows, value, next_value, reward, done, terminated, trainable
                 else:
                     bootstrap = next_value[t] if next_step == t + 1 else next_action_value
                     delta = folded + gamma * bootstrap - value[t]
-                    adv = delta + gamma_lmbda * next_advantage
+                    # No carry at all when gamma * lmbda is 0: 0 * inf would be NaN.
+                    adv = delta + gamma_lmbda * next_advantage if gamma_lmbda > zero else delta
                 advantage[t] = adv
                 target[t] = adv + value[t]
                 pending = zero

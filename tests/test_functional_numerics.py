@@ -84,6 +84,25 @@ def test_overflow_in_one_episode_leaves_its_neighbours_bit_identical(
         assert torch.isinf(have[0, lo:hi][mask[0, lo:hi]]).any()
 
 
+@pytest.mark.parametrize("requires_grad", [False, True])
+@pytest.mark.parametrize("poison", [math.inf, math.nan])
+@pytest.mark.parametrize("gamma, lmbda", [(0.9, 0.0), (0.0, 0.9)])
+def test_without_a_carry_a_nonfinite_reward_stays_at_its_action(requires_grad, poison, gamma,
+                                                                 lmbda):
+    # gamma * lmbda == 0: an advantage is its own one-step delta, and nothing multiplies the
+    # next one (0 * inf is NaN). The actions before the poisoned one stay as they were.
+    value, next_value, reward, done, terminated, mask = make_rollout(1, 12, p_done=0.0, seed=8)
+    mask[:] = True
+    value.requires_grad_(requires_grad)
+    clean = mgae(gamma, lmbda, value, next_value, reward, done, terminated, mask)[0].detach()
+    reward[0, 7] = poison
+    adv = mgae(gamma, lmbda, value, next_value, reward, done, terminated, mask)[0].detach()
+    assert not torch.isfinite(adv[0, 7]).any()
+    others = torch.ones(12, dtype=torch.bool)
+    others[7] = False
+    assert torch.equal(bits(adv[0, others]), bits(clean[0, others]))
+
+
 @st.composite
 def poisoned_rollouts(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.float64]))
