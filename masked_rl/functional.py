@@ -542,7 +542,10 @@ def masked_generalized_advantage_estimate(
             ``terminated`` set where ``done`` is not.
 
     Every row's last step ends an episode (a cut row bootstraps from ``V'``). All tensors but
-    ``loss_mask`` must share ``state_value``'s shape. On CUDA (any device but the CPU) one host
+    ``loss_mask`` must share ``state_value``'s shape. On the CPU without autograd: one compiled
+    pass over each row (numba; the rows spread over ``torch.get_num_threads()`` threads, the
+    same bits on any number), compiled on the first call of a fresh install. Under autograd and
+    on other devices: the vectorized path, on CUDA (any device but the CPU) with one host
     synchronisation: the number of markers is read together with the checks of ``done``,
     ``terminated`` and a non-bool ``loss_mask``, and with ``gamma`` and ``lmbda`` when they are
     device tensors.
