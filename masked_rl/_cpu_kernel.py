@@ -7,8 +7,9 @@ speed of one pass over the data, several times faster than the vectorized path o
 :mod:`masked_rl.functional` (which the other devices and autograd use). :func:`masked_gae`
 spreads the rows over torch's number of threads (``torch.set_num_threads``).
 
-Compiled on first use for each dtype (a few seconds); ``cache=True`` keeps the machine code in a
-``__pycache__`` folder (numba's user-wide cache when the package's folder is read-only).
+Compiled on first use for each dtype (a few seconds) and cached on disk: in a ``__pycache__``
+folder, numba's user-wide cache when the package's folder is read-only, ``NUMBA_CACHE_DIR`` if
+set; with no writable folder at all, compiled anew in every process (:func:`_compiled`).
 """
 
 from __future__ import annotations
