@@ -6,7 +6,8 @@ from __future__ import annotations
 import multiprocessing
 import subprocess
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -19,13 +20,19 @@ from masked_rl import masked_generalized_advantage_estimate as mgae
 ROWS, STEPS = 6, _cpu_kernel._PARALLEL_MIN_STEPS // 2
 
 
-def _run(data, threads, **kwargs):
+@contextmanager
+def _torch_threads(threads):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return mgae(0.99, 0.95, *data, **kwargs)
+        yield
     finally:
         torch.set_num_threads(previous)
+
+
+def _run(data, threads, **kwargs):
+    with _torch_threads(threads):
+        return mgae(0.99, 0.95, *data, **kwargs)
 
 
 def _calls(monkeypatch):
@@ -121,24 +128,14 @@ def test_fork_after_the_parallel_kernel_ran_is_safe(monkeypatch):
     assert child.exitcode == 0 and queue.get(timeout=5) == want
 
 
-def test_concurrent_callers_get_their_own_results():
-    batches = [make_rollout(ROWS, STEPS, seed=seed) for seed in range(4)]
+# Small batches run the one-thread kernel in each caller; large ones contend for the parallel one.
+@pytest.mark.parametrize("rows, steps", [(4, 3000), (ROWS, STEPS)])
+def test_concurrent_callers_get_their_own_results(rows, steps):
+    # The compiled pass releases the GIL and keeps no state between calls.
+    batches = [make_rollout(rows, steps, p_done=0.01, seed=seed) for seed in range(6)]
     want = [_run(data, 1) for data in batches]
-    got = [None] * len(batches)
-
-    def work(i):
-        got[i] = mgae(0.99, 0.95, *batches[i])
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(len(batches))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        torch.set_num_threads(previous)
+    with _torch_threads(2), ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda data: mgae(0.99, 0.95, *data), batches))
     for a, b in zip(got, want):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 

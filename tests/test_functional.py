@@ -235,18 +235,6 @@ def test_strided_inputs_give_the_contiguous_result():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_cpu_kernel_runs_in_several_threads_at_once():
-    # The compiled pass releases the GIL and keeps no state between calls.
-    from concurrent.futures import ThreadPoolExecutor
-
-    batches = [make_rollout(4, 3000, p_done=0.01, seed=seed) for seed in range(6)]
-    want = [mgae(0.99, 0.95, *data) for data in batches]
-    with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda data: mgae(0.99, 0.95, *data), batches))
-    for a, b in zip(got, want):
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
-
 def test_feature_dim_broadcasts_the_mask():
     data = make_rollout(2, 30, seed=4)
     value, next_value, reward, done, terminated, mask = data
