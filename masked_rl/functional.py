@@ -23,7 +23,7 @@ Implementation. On the CPU (without autograd) a compiled kernel (numba,
 :mod:`masked_rl._cpu_kernel`) walks each row once from its end to its start, carrying the
 episode's end bootstrap, the rewards of the masked steps since the next action and that action's
 value and advantage: the recursion of ``docs/semantics.md`` written out, one read of the inputs
-and one write of the outputs, on one thread.
+and one write of the outputs, the rows spread over torch's threads.
 
 Every other device, and autograd, take the vectorized path: the batch is flattened to one stream
 of length ``L = N * T`` (every row end is an episode end, so rows cannot leak into each other).
