@@ -7,7 +7,8 @@ thread each), shards the agentic workload of ``masked-rl bench`` (:func:`make_wo
 
 ``masked_rl_cp``
     :func:`masked_rl.distributed.cp_masked_generalized_advantage_estimate` on each rank's slice:
-    one ``all_gather`` of ``10 * B + 1`` numbers per chunk.
+    one ``all_gather`` of a 20-number header and the summaries (``10 * B`` numbers per chunk),
+    in one collective up to 64 rows x chunks, two beyond.
 ``rebuild_per_sample``
     The reference system's approach: per sample and per float tensor (``V``, ``V'``, ``r``) a
     zero-padded full-length row holding the rank's steps, summed over ranks with ``all_reduce``

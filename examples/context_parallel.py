@@ -67,8 +67,10 @@ def main() -> None:
     error = (gathered - expected).abs().max().item()
     held = local.shape[1]
     per_rank = 2 if args.layout == "zigzag" else 1
-    sent = (10 * args.batch + 1) * per_rank * 8
-    print(f"rank {rank}/{cp}: {held} of {args.steps} steps per row, one all_gather of {sent} bytes; "
+    summaries = 10 * args.batch * per_rank  # numbers (float64 here); up to 640 travel with the header
+    sent = f"one all_gather of {660 * 8} bytes" if summaries <= 640 else \
+        f"two all_gathers of {20 * 8} and {summaries * 8} bytes"
+    print(f"rank {rank}/{cp}: {held} of {args.steps} steps per row, {sent}; "
           f"max |error| vs single process {error:.1e}", flush=True)
     dist.destroy_process_group()
 

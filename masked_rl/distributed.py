@@ -32,6 +32,7 @@ with ``where``: NaN or inf stored at a masked step never reaches another rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -278,6 +279,122 @@ def cp_all_gather(
     return cp_unshard(slices, layout=layout, time_dim=time_dim, chunk_lengths=lengths)
 
 
+def _holder(chunk: int, cp: int, layout: str) -> int:
+    """The rank holding chunk ``chunk`` (``-1`` for no chunk)."""
+    if chunk < 0:
+        return -1
+    return chunk if layout == "contiguous" or chunk < cp else 2 * cp - 1 - chunk
+
+
+def _local_offset(chunk: int, held: Sequence[int], lengths: Sequence[int]) -> int:
+    """Where held chunk ``chunk`` starts in its rank's slice."""
+    return sum(lengths[j] for j in held[: list(held).index(chunk)])
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SHAPE_SLOTS = 6  # non-time dims sent one by one; the product of any further ones in the last
+_HEADER = 20  # float64 numbers per rank
+# Summaries of up to 64 rows x chunks (10 numbers each) travel with the header: one collective.
+_INLINE = 64 * _FIELDS
+
+
+class _Header(tuple):
+    """What every rank of a CP call must agree on, as ``_HEADER`` float64 numbers."""
+
+    def __new__(cls, shape, time_dim, dtype, layout, gamma, lmbda, masked_value_targets,
+                next_from_row, truncated_inside, held_lengths):
+        other = [n for i, n in enumerate(shape) if i != time_dim]
+        dims = other[: _SHAPE_SLOTS - 1] + ([math.prod(other[_SHAPE_SLOTS - 1:])]
+                                            if len(other) >= _SHAPE_SLOTS else [])
+        dims += [-1] * (_SHAPE_SLOTS - len(dims))
+        code = _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+        held = list(held_lengths) + [-1] * (2 - len(held_lengths))
+        numbers = [0, len(shape), time_dim, *dims, code, LAYOUTS.index(layout), gamma, lmbda,
+                   masked_value_targets, next_from_row, truncated_inside, *held]
+        return super().__new__(cls, [float(x) for x in numbers] + [0.0] * (_HEADER - len(numbers)))
+
+
+# (name, slice of the header, how to show one rank's numbers) for the agreement check.
+_DIMS = slice(3, 3 + _SHAPE_SLOTS)
+_AGREED = (
+    ("the number of dims of state_value", slice(1, 2), lambda x: int(x[0])),
+    ("time_dim (non-negative)", slice(2, 3), lambda x: int(x[0])),
+    ("the shape of state_value without its time dim ([*B, F] rows: B = 0 too)", _DIMS,
+     lambda x: [int(n) for n in x if n >= 0]),
+    ("the dtype of state_value", slice(9, 10),
+     lambda x: str(_DTYPES[int(x[0])]) if x[0] < len(_DTYPES) else "not floating point 16/32/64"),
+    ("layout", slice(10, 11), lambda x: LAYOUTS[int(x[0])]),
+    ("gamma", slice(11, 12), lambda x: x[0]),
+    ("lmbda", slice(12, 13), lambda x: x[0]),
+    ("masked_value_targets", slice(13, 14), lambda x: bool(x[0])),
+    ("next_state_value is None", slice(14, 15), lambda x: bool(x[0])),
+)
+
+
+def _exchange(header, payload: Tensor | None, cp: int, group, error: Exception | None, device,
+              *, expected_lengths: Sequence[int] | None = None, rank: int = 0) -> Tensor | None:
+    """The call's collective(s): every rank's header (``None``: this rank rejected its inputs)
+    and summaries. Raises the same ``ValueError`` on every rank where the headers disagree (the
+    rejecting rank re-raises its own error, in the caller); returns the ``[cp, numel]``
+    summaries, in ``payload``'s dtype, or ``None`` without a payload.
+
+    A payload of up to ``_INLINE`` numbers travels with the header, in one all_gather whose
+    size is the same on every rank whatever they pass; a larger one follows in a second
+    all_gather, once the headers say that every rank sends as many numbers.
+    """
+    numbers = [1.0] + [0.0] * (_HEADER - 1) if header is None else list(header)
+    inline = payload is not None and payload.numel() <= _INLINE
+    numbers[18] = 0.0 if payload is None else float(payload.numel())
+    if dist.get_backend(group) == "nccl" and (device is None or device.type != "cuda"):
+        device = torch.device("cuda", torch.cuda.current_device())  # NCCL sends CUDA tensors only
+    sent = torch.zeros(_HEADER + _INLINE, dtype=torch.float64, device=device)
+    sent[:_HEADER] = torch.tensor(numbers, dtype=torch.float64)
+    if inline:
+        sent[_HEADER:_HEADER + payload.numel()] = payload  # float32 -> float64 is exact
+    gathered = sent.new_empty(cp * sent.numel())
+    _all_gather_single(gathered, sent, group=group)
+    gathered = gathered.view(cp, sent.numel())
+    headers = gathered[:, :_HEADER].tolist()
+    rejected = [q for q in range(cp) if headers[q][0] != 0]
+    if error is not None:
+        return None
+    if rejected:
+        raise ValueError(
+            f"rank(s) {rejected} of the CP group rejected their inputs (their own error says "
+            f"why); every rank raises, so that none waits in a collective"
+        )
+    for name, where, show in _AGREED:
+        values = [show(h[where]) for h in headers]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {q} {v!r}" for q, v in enumerate(values))
+            raise ValueError(
+                f"the ranks of the CP group disagree on {name}: {per_rank}; every rank must pass "
+                f"its slice of the same rows with the same options"
+            )
+    seen = [[int(n) for n in h[16:18] if n >= 0] for h in headers]
+    layout = LAYOUTS[int(headers[0][10])]
+    expected = [[expected_lengths[j] for j in _rank_chunks(q, cp, layout)] for q in range(cp)]
+    if seen != expected:
+        raise ValueError(
+            f"the ranks disagree on the chunk lengths: rank {rank} expects per-rank chunk lengths "
+            f"{expected}, the ranks hold {seen}; pass the same chunk_lengths on every rank"
+        )
+    truncated = [q for q in range(cp) if headers[q][15]]
+    if truncated:
+        raise ValueError(
+            f"next_state_value=None reads V'[t] = V[t + 1], the next episode's value at an "
+            f"episode end inside the row, but rank(s) {truncated} hold truncated ends (done and "
+            f"not terminated) before the row's last step: pass next_state_value"
+        )
+    if payload is None:
+        return None
+    if inline:
+        return gathered[:, _HEADER:_HEADER + payload.numel()].to(payload.dtype)
+    out = payload.new_empty(cp * payload.numel())
+    _all_gather_single(out, payload, group=group)
+    return out.view(cp, payload.numel())
+
+
 def _reverse_cumsum(x: Tensor) -> Tensor:
     return x.flip(-1).cumsum(-1).flip(-1)
 
@@ -286,7 +403,7 @@ def cp_masked_generalized_advantage_estimate(
     gamma: float | Tensor,
     lmbda: float | Tensor,
     state_value: Tensor,
-    next_state_value: Tensor,
+    next_state_value: Tensor | None,
     reward: Tensor,
     done: Tensor,
     terminated: Tensor,
@@ -312,6 +429,15 @@ def cp_masked_generalized_advantage_estimate(
             :func:`~masked_rl.masked_generalized_advantage_estimate`, each the rank's slice
             ``[*B, T_local, F]`` (``loss_mask``: ``[*B, T_local]`` or ``[*B, T_local, 1]``).
             ``*B``, ``F``, dtypes, ``gamma`` and ``lmbda`` must be the same on every rank.
+            ``next_state_value=None`` (a token critic, whose ``V'[t]`` is the next token's
+            ``V``; see SPEC's language-model transcripts) means ``V'[t] = V[t + 1]`` in the
+            row, across slice borders: a border's ``V`` comes from the rank holding the next
+            chunk, inside the same collective, at no extra bytes. After the row's last step it
+            is 0: a row truncated at its last token (whose bootstrap, the critic's output at
+            that token, is not in ``state_value``) needs ``next_state_value``; so does a
+            truncated episode end (``done`` and not ``terminated``) before the row's last
+            step, where ``V[t + 1]`` would be the next episode's value (every rank raises).
+            Terminated ends do not read ``V'``.
 
     Keyword Args:
         time_dim (int): as in the single-process function. Defaults to ``-2``.
@@ -330,14 +456,22 @@ def cp_masked_generalized_advantage_estimate(
         ``(advantage, value_target)`` (plus ``value_target_mask`` with ``masked_value_targets``),
         the rank's slice, shapes and dtypes as in the single-process function.
 
-    Communication: exactly one ``all_gather`` per call, whatever ``*B`` and ``T``. Each rank
-    sends ``(10 * N + 1) * n_chunks`` numbers of the compute dtype (float32 for float16,
-    bfloat16 and float32 inputs, else float64), ``N = prod(*B) * F`` rows and ``n_chunks`` 1
-    (contiguous) or 2 (zigzag): 1.3 KB for ``N = 16`` zigzag float32. Host synchronisations:
-    those of the single-process function on the local slice, plus one to check that the ranks
-    agree on ``chunk_lengths``. Not differentiable (the collective has no backward): call it
-    without gradients or with detached inputs. The same code runs on gloo (CPU tensors) and
-    NCCL (CUDA tensors, each rank on its device).
+    Communication: one ``all_gather`` per call of ``20 + 640`` float64 numbers per rank
+    (5,280 bytes), whatever ``*B`` and ``T``, when ``10 * N * n_chunks <= 640`` (``N =
+    prod(*B) * F`` rows, ``n_chunks`` 1 for contiguous, 2 for zigzag: up to 32 rows zigzag, 64
+    contiguous); beyond, the 20-number header and then, in a second ``all_gather``, the
+    ``10 * N * n_chunks`` summary numbers in the compute dtype (float32 for float16, bfloat16
+    and float32 inputs, else float64). The header holds what the ranks must agree on (the shape
+    without the time dim, ``time_dim``, dtype, ``layout``, ``gamma``, ``lmbda``,
+    ``masked_value_targets``, ``next_state_value is None``, each rank's chunk lengths, whether
+    it rejected its inputs). Its size never depends on them, so ranks that disagree (``B = 0``
+    on one rank included) all raise the same ``ValueError`` naming what differs and the value
+    of every rank, instead of aborting in the backend or waiting for each other; a rank whose
+    inputs fail a check raises its own error, its peers one saying which rank did. Host
+    synchronisations: those of the single-process function on the local slice, plus one to
+    read the headers. Not differentiable (the collective has no backward): call it without
+    gradients or with detached inputs. The same code runs on gloo (CPU tensors) and NCCL (CUDA
+    tensors, each rank on its device).
 
     Examples:
         One process here; ``torchrun --nproc-per-node 2 examples/context_parallel.py`` runs two.
@@ -361,113 +495,134 @@ def cp_masked_generalized_advantage_estimate(
         True
         >>> dist.destroy_process_group()
     """
-    time_dim, mask, gamma_f, lmbda_f, done, terminated = _check_gae_inputs(
-        gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask, time_dim)
-    if torch.is_grad_enabled() and any(
-        isinstance(x, Tensor) and x.requires_grad
-        for x in (gamma, lmbda, state_value, next_state_value, reward)
-    ):
-        raise RuntimeError(
-            "cp_masked_generalized_advantage_estimate is not differentiable (its all_gather has "
-            "no backward): call it under torch.no_grad() or pass detached tensors"
-        )
-
-    rank, cp = _group_rank(group)
-    chunks = _check_layout(layout, cp)
-    local_horizon = state_value.shape[time_dim]
-    if chunk_lengths is None:
-        if layout == "zigzag" and local_horizon % 2:
-            raise ValueError(
-                f"layout='zigzag' without chunk_lengths needs an even local length (two equal "
-                f"chunks), got {local_horizon}: pass chunk_lengths=cp_chunk_lengths(T, cp, 'zigzag')"
+    rank, cp = _group_rank(group)  # before the collective: without a group there is none
+    next_from_row = next_state_value is None
+    # Every rank joins the header all_gather, also with inputs it rejects (it raises after it):
+    # raising before would leave its peers waiting in the collective.
+    try:
+        if next_from_row and isinstance(state_value, Tensor):
+            next_state_value = state_value  # only for the checks: replaced below
+        time_dim, mask, gamma_f, lmbda_f, done, terminated = _check_gae_inputs(
+            gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask,
+            time_dim)
+        if torch.is_grad_enabled() and any(
+            isinstance(x, Tensor) and x.requires_grad
+            for x in (gamma, lmbda, state_value, next_state_value, reward)
+        ):
+            raise RuntimeError(
+                "cp_masked_generalized_advantage_estimate is not differentiable (its all_gather "
+                "has no backward): call it under torch.no_grad() or pass detached tensors"
             )
-        chunk_lengths = [local_horizon // (chunks // cp)] * chunks
-    lengths = _check_chunk_lengths(chunk_lengths, cp, layout)
-    held = _rank_chunks(rank, cp, layout)
-    if sum(lengths[k] for k in held) != local_horizon:
-        raise ValueError(
-            f"rank {rank} holds {local_horizon} steps (dim {time_dim} of state_value), but "
-            f"chunk_lengths {lengths} give it chunks {list(held)} of "
-            f"{sum(lengths[k] for k in held)} steps"
-        )
-    last_chunk = max((k for k, n in enumerate(lengths) if n > 0), default=-1)
+        chunks = _check_layout(layout, cp)
+        local_horizon = state_value.shape[time_dim]
+        if chunk_lengths is None:
+            if layout == "zigzag" and local_horizon % 2:
+                raise ValueError(
+                    f"layout='zigzag' without chunk_lengths needs an even local length (two equal "
+                    f"chunks), got {local_horizon}: pass chunk_lengths=cp_chunk_lengths(T, cp, "
+                    f"'zigzag')"
+                )
+            chunk_lengths = [local_horizon // (chunks // cp)] * chunks
+        lengths = _check_chunk_lengths(chunk_lengths, cp, layout)
+        held = _rank_chunks(rank, cp, layout)
+        if sum(lengths[k] for k in held) != local_horizon:
+            raise ValueError(
+                f"rank {rank} holds {local_horizon} steps (dim {time_dim} of state_value), but "
+                f"chunk_lengths {lengths} give it chunks {list(held)} of "
+                f"{sum(lengths[k] for k in held)} steps"
+            )
+        last_chunk = max((k for k, n in enumerate(lengths) if n > 0), default=-1)
+        truncated_inside = False
+        if next_from_row:
+            # V'[t] = V[t + 1] is the next episode's value at an episode end inside the row.
+            truncated = done & ~terminated
+            if rank == _holder(last_chunk, cp, layout):
+                row_end = _local_offset(last_chunk, held, lengths) + lengths[last_chunk] - 1
+                truncated = truncated.clone()
+                _time_index(truncated, time_dim, row_end, row_end + 1).fill_(False)
+            truncated_inside = bool(truncated.any())
+        header = _Header(state_value.shape, time_dim, state_value.dtype, layout, gamma_f, lmbda_f,
+                         masked_value_targets, next_from_row, truncated_inside,
+                         [lengths[k] for k in held])
 
-    out_dtype = state_value.dtype
-    dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
-    moved_shape = state_value.movedim(time_dim, -1).shape
-    rows = moved_shape[:-1].numel()
-    if rows == 0:  # the same on every rank: nothing to exchange
+        out_dtype = state_value.dtype
+        dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+        moved_shape = state_value.movedim(time_dim, -1).shape
+        rows = moved_shape[:-1].numel()
+        if rows == 0:  # the same on every rank (checked): only the header is exchanged
+            if next_from_row:
+                next_state_value = torch.zeros_like(state_value)
+            payload = None
+        else:
+            def as_rows(x: Tensor, to: torch.dtype) -> Tensor:
+                # [*B, T, F] -> [N, T]: one row per stream, as the single-process function sees them.
+                return x.movedim(time_dim, -1).reshape(rows, local_horizon).to(to)
+
+            value, next_value, rew = (as_rows(x, dtype) for x in (state_value, next_state_value, reward))
+            m, d, k = (as_rows(x, torch.bool) for x in (mask, done, terminated))
+            offsets = [_local_offset(chunk, held, lengths) for chunk in held]
+            if next_from_row:
+                # V'[t] = V[t + 1] inside each chunk; at a chunk's last step V' is read only before an
+                # adjacent action (its V then comes in that chunk's summary) or at the row end (0).
+                next_value = torch.zeros_like(value)
+                for chunk, start in zip(held, offsets):
+                    if lengths[chunk] > 1:
+                        stop = start + lengths[chunk]
+                        next_value[:, start:stop - 1] = value[:, start + 1:stop]
+
+            # 1. The local slice, every chunk closed at its last step with a zero bootstrap (the true
+            #    bootstrap, rewards and carry from the right are added in step 4).
+            local_done, local_term = d.clone(), k.clone()
+            for chunk, start in zip(held, offsets):
+                if lengths[chunk] > 0:
+                    end = start + lengths[chunk] - 1
+                    local_done[:, end] = True
+                    if chunk != last_chunk:
+                        local_term[:, end] = k[:, end] | ~d[:, end]
+            local = masked_generalized_advantage_estimate(
+                gamma, lmbda, value.unsqueeze(-1), next_value.unsqueeze(-1), rew.unsqueeze(-1),
+                local_done.unsqueeze(-1), local_term.unsqueeze(-1), m,
+                masked_value_targets=masked_value_targets,
+            )
+            # Contiguous [N, T_local] (already so: no copy), for flat index_add_ in step 4.
+            advantage, target = local[0].squeeze(-1).contiguous(), local[1].squeeze(-1).contiguous()
+            has_target = local[2].squeeze(-1) if masked_value_targets else None
+            gamma_lmbda = gamma_f * lmbda_f
+
+            # 2. Summaries, and 3. one all_gather of them (with each rank's chunk lengths, checked).
+            views = []
+            for chunk, start in zip(held, offsets):
+                span = slice(start, start + lengths[chunk])
+                chunk_done = d[:, span]
+                if chunk == last_chunk:  # the row's last step ends its episode
+                    chunk_done = chunk_done.clone()
+                    chunk_done[:, -1] = True
+                views.append(_Chunk(
+                    m[:, span], chunk_done, k[:, span], value[:, span], next_value[:, span],
+                    rew[:, span], open_end=chunk != last_chunk,
+                ))
+            payload = torch.stack([
+                view.summary(advantage[:, offset:offset + view.length], gamma_lmbda)
+                for view, offset in zip(views, offsets)
+            ]).reshape(-1)
+    except Exception as error:  # noqa: BLE001 - re-raised once the peers know
+        _exchange(None, None, cp, group, error,
+                  state_value.device if isinstance(state_value, Tensor) else None)
+        raise
+    gathered = _exchange(header, payload, cp, group, None, state_value.device,
+                         expected_lengths=lengths, rank=rank)
+    if payload is None:
         return masked_generalized_advantage_estimate(
             gamma, lmbda, state_value, next_state_value, reward, done, terminated, mask,
             time_dim=time_dim, masked_value_targets=masked_value_targets,
         )
-
-    def as_rows(x: Tensor, to: torch.dtype) -> Tensor:
-        # [*B, T, F] -> [N, T]: one row per stream, as the single-process function sees them.
-        return x.movedim(time_dim, -1).reshape(rows, local_horizon).to(to)
-
-    value, next_value, rew = (as_rows(x, dtype) for x in (state_value, next_state_value, reward))
-    m, d, k = (as_rows(x, torch.bool) for x in (mask, done, terminated))
-
-    # 1. The local slice, every chunk closed at its last step with a zero bootstrap (the true
-    #    bootstrap, rewards and carry from the right are added in step 4).
-    offsets = [sum(lengths[j] for j in held[:i]) for i in range(len(held))]
-    local_done, local_term = d.clone(), k.clone()
-    for chunk, start in zip(held, offsets):
-        if lengths[chunk] > 0:
-            end = start + lengths[chunk] - 1
-            local_done[:, end] = True
-            if chunk != last_chunk:
-                local_term[:, end] = k[:, end] | ~d[:, end]
-    local = masked_generalized_advantage_estimate(
-        gamma, lmbda, value.unsqueeze(-1), next_value.unsqueeze(-1), rew.unsqueeze(-1),
-        local_done.unsqueeze(-1), local_term.unsqueeze(-1), m,
-        masked_value_targets=masked_value_targets,
-    )
-    # Contiguous [N, T_local] (already so: no copy), for flat index_add_ in step 4.
-    advantage, target = local[0].squeeze(-1).contiguous(), local[1].squeeze(-1).contiguous()
-    has_target = local[2].squeeze(-1) if masked_value_targets else None
-    gamma_lmbda = gamma_f * lmbda_f
-
-    # 2. Summaries, and 3. one all_gather of them (with each rank's chunk lengths, checked).
-    views = []
-    for chunk, start in zip(held, offsets):
-        span = slice(start, start + lengths[chunk])
-        chunk_done = d[:, span]
-        if chunk == last_chunk:  # the row's last step ends its episode
-            chunk_done = chunk_done.clone()
-            chunk_done[:, -1] = True
-        views.append(_Chunk(
-            m[:, span], chunk_done, k[:, span], value[:, span], next_value[:, span],
-            rew[:, span], open_end=chunk != last_chunk,
-        ))
-    payload = torch.cat([
-        torch.stack([
-            view.summary(advantage[:, offset:offset + view.length], gamma_lmbda)
-            for view, offset in zip(views, offsets)
-        ]).reshape(-1),
-        torch.tensor([lengths[chunk] for chunk in held], dtype=dtype, device=value.device),
-    ])
-    gathered = payload.new_empty(cp * payload.numel())
-    _all_gather_single(gathered, payload, group=group)
-    gathered = gathered.view(cp, payload.numel())
     per_rank = len(held)
-    seen = gathered[:, -per_rank:].tolist()
-    # Compared as sent, in the compute dtype (float32 holds lengths exactly up to 2**24 steps;
-    # beyond, two lengths within one rounding step would pass the check).
-    expected = torch.tensor([[lengths[j] for j in _rank_chunks(q, cp, layout)] for q in range(cp)],
-                            dtype=dtype).tolist()
-    if seen != expected:
-        raise ValueError(
-            f"the ranks disagree on the chunk lengths: rank {rank} expects per-rank chunk lengths "
-            f"{expected}, the ranks hold {seen}; pass the same chunk_lengths on every rank"
-        )
     summaries = value.new_zeros((chunks, rows, _FIELDS))
-    by_rank = gathered[:, :-per_rank].reshape(cp, per_rank, rows, _FIELDS)
+    by_rank = gathered.view(cp, per_rank, rows, _FIELDS)
     for q in range(cp):
         for i, chunk in enumerate(_rank_chunks(q, cp, layout)):
             summaries[chunk] = by_rank[q, i]
-    right, has_left = _fold(summaries, lengths, gamma_f, gamma_lmbda)
+    right, has_left = _fold(summaries, lengths, gamma_f, gamma_lmbda, next_from_row)
 
     # 4. Boundary corrections of the local chunks.
     for chunk, view, start in zip(held, views, offsets):
@@ -616,7 +771,8 @@ class _Chunk:
         has_target.copy_(has_target | region)
 
 
-def _fold(summaries: Tensor, lengths: list[int], gamma: float, gamma_lmbda: float):
+def _fold(summaries: Tensor, lengths: list[int], gamma: float, gamma_lmbda: float,
+          next_from_row: bool = False):
     """What lies right of every chunk, and whether its first step's episode has an action so far.
 
     Returns ``right`` (``[P, N, 6]``: owed rewards ``R``, next event kind, its value, whether it
@@ -632,7 +788,8 @@ def _fold(summaries: Tensor, lengths: list[int], gamma: float, gamma_lmbda: floa
         next_is_train = kind == _TRAIN
         # The bootstrap of the chunk's last trainable step: V'[t] before an adjacent action (as
         # in the single-process function), else V of the next action, else the end's bootstrap.
-        use_own = next_is_train & adjacent & (s[:, _TAIL_TRAIN] != 0)
+        # With next_from_row, V'[t] before an adjacent action is that action's V: ``value``.
+        use_own = next_is_train & adjacent & (s[:, _TAIL_TRAIN] != 0) & (not next_from_row)
         bootstrap = torch.where(use_own, s[:, _TAIL_NEXT], value)
         carry = torch.where(next_is_train, next_adv, 0.0)
         z = owed + gamma * bootstrap

@@ -10,6 +10,7 @@ single-process function on the full rows.
 from __future__ import annotations
 
 import math
+import sys
 import time
 import traceback
 from collections import defaultdict
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from masked_gae_reference import make_rollout
 from masked_rl_benchmarks.cp import count_collectives
 
@@ -34,6 +36,7 @@ GROUP_RANKS = {2: [1, 3], 3: [0, 2, 3], 4: list(range(WORLD))}
 LAYOUTS = ("contiguous", "zigzag")
 DISCOUNTS = ((0.9, 0.8), (0.0, 0.0), (1.0, 1.0), (0.5, 0.0), (0.99, 0.95), (0.0, 1.0))
 ATOL = 1e-10
+TIMEOUT_S = 60  # a collective that waits longer raises (a hang fails the test instead)
 
 
 class Recorder:
@@ -50,6 +53,8 @@ class Recorder:
             fn()
         except Exception:  # noqa: BLE001 - recorded and asserted on by the test
             self.failures[key].append(f"{name}: {traceback.format_exc(limit=3)}")
+            # Also now: a later abort in gloo would lose the recorded failures.
+            print(key, name, traceback.format_exc(), file=sys.stderr)
 
 
 def _assert_equal(got, expected, *, atol=ATOL, name=""):
@@ -68,7 +73,7 @@ def _assert_equal(got, expected, *, atol=ATOL, name=""):
 
 
 def run_cp(data, *, gamma, lmbda, n, rank, group, layout, lengths=None, masked_value_targets=False,
-           time_dim=-2):
+           time_dim=-2, next_from_row=False):
     """CP outputs on the rank's slice, and the rank's slice of the single-process outputs."""
     value, next_value, reward, done, terminated, mask = data
     mask_dim = time_dim if time_dim >= 0 else time_dim + 1  # the mask has no feature dim
@@ -79,6 +84,8 @@ def run_cp(data, *, gamma, lmbda, n, rank, group, layout, lengths=None, masked_v
         lengths = cp_chunk_lengths(value.shape[time_dim], n, layout)
     shard = lambda x, dim=time_dim: cp_shard(x, rank, n, layout=layout, time_dim=dim, chunk_lengths=lengths)
     local = [shard(x) for x in (value, next_value, reward, done, terminated)] + [shard(mask, mask_dim)]
+    if next_from_row:  # the caller's V' is then the row's V shifted (checked by the caller)
+        local[1] = None
     got = cp_masked_generalized_advantage_estimate(
         gamma, lmbda, *local, time_dim=time_dim, masked_value_targets=masked_value_targets,
         group=group, layout=layout, chunk_lengths=lengths,
@@ -271,25 +278,31 @@ def _dropped_reward_steps(done, mask):
 
 
 def check_communication(rec, key, n, rank, group, layout):
-    """One collective per call, and bytes that do not grow with T (nor with the batch structure)."""
+    """One collective per call up to 64 rows x chunks, two beyond; bytes that do not grow with T."""
     measured = {}
-    for horizon in (64, 1024, 16384):
-        for mvt in (False, True):
-            data = make_rollout(4, horizon, p_mask=0.3, p_done=0.01, seed=horizon)
-            with count_collectives() as calls:
-                run_cp(data, gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
-                       masked_value_targets=mvt)
-            measured[(horizon, mvt)] = list(calls)
+    chunks = 1 if layout == "contiguous" else 2
+    for batch in (4, 70):
+        for horizon in (64, 1024, 16384):
+            for mvt in (False, True):
+                data = make_rollout(batch, horizon, p_mask=0.3, p_done=0.01, seed=horizon)
+                with count_collectives() as calls:
+                    run_cp(data, gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
+                           masked_value_targets=mvt)
+                measured[(batch, horizon, mvt)] = list(calls)
 
     def case():
-        for (horizon, mvt), made in measured.items():
-            assert [name for name, _ in made] == ["all_gather_single"], f"T={horizon}: calls {made}"
-        sizes = {made[0][1] for made in measured.values()}
-        assert len(sizes) == 1, f"bytes sent vary with T: {measured}"
-        chunks = 1 if layout == "contiguous" else 2
-        assert sizes == {(10 * 4 + 1) * chunks * 8}, sizes  # float64: (10 N + 1) per chunk
-        rec.info[key] = sizes.pop()
+        for (batch, horizon, mvt), made in measured.items():
+            # The header and summaries of up to 64 rows x chunks in one all_gather (20 + 640
+            # float64 numbers); beyond, then 10 float64 numbers per row and chunk.
+            expected = [("all_gather_single", ONE_CALL_BYTES)]
+            if batch * chunks > 64:
+                expected.append(("all_gather_single", 10 * batch * chunks * 8))
+            assert made == expected, f"B={batch} T={horizon} mvt={mvt}: calls {made}, expected {expected}"
+        rec.info[key] = measured[(4, 64, False)]
     rec.case(key, "collectives", case)
+
+
+ONE_CALL_BYTES = (20 + 640) * 8
 
 
 def check_errors(rec, key, n, rank, group, layout):
@@ -484,6 +497,142 @@ def check_grid(rec, rank, cp_groups, dp_groups):
     rec.case("grid/4/contiguous", "dp_group only", dp_case)
 
 
+def row_next_values(value, time_dim=-2):
+    """``V'[t] = V[t + 1]`` inside the row and 0 after its last step: what
+    ``next_state_value=None`` means."""
+    moved = value.movedim(time_dim, 0)
+    return torch.cat((moved[1:], torch.zeros_like(moved[:1]))).movedim(0, time_dim)
+
+
+def check_next_from_row(rec, key, n, rank, group, layout):
+    """``next_state_value=None`` (a token critic): the single-process function with
+    ``V'[t] = V[t + 1]``, across borders, ragged and empty chunks, every rule."""
+    chunks = n if layout == "contiguous" else 2 * n
+    for seed in range(16):
+        g = torch.Generator().manual_seed(7000 + 100 * n + seed)
+        horizon = int(torch.randint(1, 40, (1,), generator=g))
+        value, _, reward, done, terminated, mask = make_rollout(
+            3, horizon, p_mask=(0.3, 0.6, 0.95, 0.1)[seed % 4], p_done=(0.0, 0.1, 0.3)[seed % 3],
+            p_term=1.0, seed=seed)
+        if seed % 2:  # the row end truncated or not done: V' there is 0
+            done[:, -1], terminated[:, -1] = seed % 4 == 1, False
+        gamma, lmbda = DISCOUNTS[seed % len(DISCOUNTS)]
+        lengths = random_lengths(horizon, chunks, g) if seed % 3 else None
+        full = (value, row_next_values(value), reward, done, terminated, mask)
+        for mvt in (False, True):
+            def case():
+                got, expected = run_cp(full, gamma=gamma, lmbda=lmbda, n=n, rank=rank, group=group,
+                                       layout=layout, lengths=lengths, masked_value_targets=mvt,
+                                       next_from_row=True)
+                check_outputs(got, expected)
+            rec.case(key, f"seed={seed} T={horizon} lengths={lengths} mvt={mvt}", case)
+    # Actions on both sides of every border (V' crosses it), and right-padded transcripts.
+    horizon = 3 * chunks + 2
+    lengths = cp_chunk_lengths(horizon, n, layout)
+    data = rows_from_masks([[1] * horizon, [0, 0] + [1] * (horizon - 4) + [0, 0]],
+                           dones=[(1, horizon - 3)], seed=3)
+    full = (data[0], row_next_values(data[0]), *data[2:])
+    with torch.no_grad():
+        got, expected = run_cp(full, gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group,
+                               layout=layout, lengths=lengths, next_from_row=True)
+    rec.case(key, "actions across every border", lambda: check_outputs(got, expected))
+
+    def communication():
+        with count_collectives() as calls:
+            run_cp(full, gamma=0.9, lmbda=0.8, n=n, rank=rank, group=group, layout=layout,
+                   lengths=lengths, next_from_row=True)
+        assert calls == [("all_gather_single", ONE_CALL_BYTES)], calls
+    rec.case(key, "collectives", communication)
+
+
+def check_disagreement(rec, key, n, rank, group, layout):
+    """Ranks that disagree raise the same ValueError, each after joining the collectives (no
+    abort in gloo, no hang): the message, per rank, is recorded and compared by the test."""
+    full = make_rollout(3, 8 * n, p_term=1.0, seed=5)
+    big = make_rollout(70, 8 * n, p_term=1.0, seed=5)
+    lengths = cp_chunk_lengths(8 * n, n, layout)
+
+    def local(data=full):
+        shard = lambda x, dim=-2: cp_shard(x, rank, n, layout=layout, time_dim=dim, chunk_lengths=lengths)
+        return [shard(x) for x in data[:5]] + [shard(data[5], -1)]
+
+    odd = rank == 0  # the rank that differs
+    variants = {
+        "batch": lambda: dict(data=[x[:2] for x in local()] if odd else local()),
+        "batch_zero_on_one_rank": lambda: dict(data=[x[:0] for x in local()] if odd else local()),
+        # Beyond the inline capacity (70 rows x chunks > 64): the second collective is not made.
+        "batch_large": lambda: dict(data=[x[:69] if odd else x for x in local(big)]),
+        "features": lambda: dict(data=[x.expand(*x.shape[:2], 2) if i < 5 else x
+                                       for i, x in enumerate(local())] if odd else local()),
+        "dtype": lambda: dict(data=[x.float() if i < 3 else x for i, x in enumerate(local())] if odd else local()),
+        "layout": lambda: dict(layout=("zigzag" if layout == "contiguous" else "contiguous") if odd else layout,
+                               chunk_lengths=None),  # the even split of 8 steps: valid in both
+        "gamma": lambda: dict(gamma=0.5 if odd else 0.9),
+        "lmbda": lambda: dict(lmbda=0.5 if odd else 0.8),
+        "masked_value_targets": lambda: dict(masked_value_targets=odd),
+        "next_state_value_none": lambda: dict(next_none=odd),
+        "time_dim": lambda: dict(data=[x.transpose(0, 1) if i < 5 else x.transpose(0, 1).unsqueeze(-1)
+                                       for i, x in enumerate(local())] if odd else local(),
+                                 time_dim=0 if odd else -2),
+        "chunk_lengths": lambda: dict(chunk_lengths=None if odd else lengths),
+    }
+    for name, variant in variants.items():
+        options = dict(data=local(), gamma=0.9, lmbda=0.8, layout=layout, masked_value_targets=False,
+                       next_none=False, time_dim=-2, chunk_lengths=lengths)
+        options.update(variant())
+        data = list(options["data"])
+        if options["next_none"]:
+            data[1] = None
+        if name == "chunk_lengths" and odd:
+            # The even split of a different local length: rank 0 holds one step fewer.
+            data = [x[:, 1:] for x in data]
+            options["chunk_lengths"] = cp_chunk_lengths(data[0].shape[1] * n, n, layout)
+
+        def case(options=options, data=data, name=name):
+            try:
+                cp_masked_generalized_advantage_estimate(
+                    options["gamma"], options["lmbda"], *data, group=group, layout=options["layout"],
+                    time_dim=options["time_dim"], chunk_lengths=options["chunk_lengths"],
+                    masked_value_targets=options["masked_value_targets"])
+            except ValueError as error:
+                rec.info[f"{key}/{name}"] = str(error)
+            else:
+                raise AssertionError(f"{name}: no error")
+        rec.case(key, name, case)
+
+    # A rank that rejects its own input (a mask of the wrong shape): it raises its own error,
+    # the others say which rank rejected.
+    def rejected():
+        data = local()
+        if odd:
+            data[5] = data[5][:, :-1]
+        try:
+            cp_masked_generalized_advantage_estimate(0.9, 0.8, *data, group=group, layout=layout,
+                                                     chunk_lengths=lengths)
+        except ValueError as error:
+            expected = "loss_mask must have shape" if odd else "rank(s) [0] of the CP group rejected"
+            assert expected in str(error), str(error)
+        else:
+            raise AssertionError("no error")
+    rec.case(key, "rejected input on one rank", rejected)
+
+    # next_state_value=None and a truncated end inside the row, on one rank's slice only.
+    def truncated():
+        data = local()
+        data[1] = None
+        if odd:
+            data[3] = data[3].clone()
+            data[3][:, 0] = True  # done, not terminated
+        try:
+            cp_masked_generalized_advantage_estimate(0.9, 0.8, *data, group=group, layout=layout,
+                                                     chunk_lengths=lengths)
+        except ValueError as error:
+            assert "rank(s) [0] hold truncated ends" in str(error), str(error)
+        else:
+            raise AssertionError("no error")
+    rec.case(key, "truncated end with next_state_value=None", truncated)
+
+
 CHECKS = {
     "random_rows": check_random_rows,
     "structured_rows": check_structured_rows,
@@ -495,14 +644,31 @@ CHECKS = {
     "all_gather_round_trip": check_all_gather_round_trip,
     "data_parallel_standardize": check_data_parallel_standardize,
     "modules": check_modules,
+    "next_from_row": check_next_from_row,
+    "disagreement": check_disagreement,
 }
+
+
+def spawn_world(entry, world: int, out_dir: str, *, timeout_s: float = 4 * TIMEOUT_S) -> None:
+    """Run ``entry(rank, world, init_file, out_dir)`` in ``world`` processes (fork where
+    available: about 3x faster than spawn on 2 cores), killing them after ``timeout_s``."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    context = mp.start_processes(entry, args=(world, str(Path(out_dir) / "init"), out_dir),
+                                 nprocs=world, join=False, start_method=method)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"the {world} ranks did not finish within {timeout_s} s")
 
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Entry point of each spawned process: every check, every group this rank belongs to."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=TIMEOUT_S))
     groups = {n: (None if n == world else dist.new_group(ranks)) for n, ranks in GROUP_RANKS.items()}
     cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]

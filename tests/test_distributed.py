@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from distributed_worker import CHECKS, GROUP_RANKS, LAYOUTS, WORLD, run_world
+from distributed_worker import CHECKS, GROUP_RANKS, LAYOUTS, ONE_CALL_BYTES, WORLD, run_world, spawn_world
 
 from masked_rl import masked_standardize
 from masked_rl.distributed import (
@@ -35,10 +34,8 @@ def world_results():
     # fork (where available) starts the 4 processes without re-importing torch and torchrl in
     # each: about 3x faster than spawn on a 2-core machine. The parent never initialises a
     # process group, and each child uses one intra-op thread (as DataLoader workers do).
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(run_world, args=(WORLD, str(Path(tmp) / "init"), tmp), nprocs=WORLD,
-                           join=True, start_method=method)
+        spawn_world(run_world, WORLD, tmp)
         return [torch.load(Path(tmp) / f"rank{rank}.pt") for rank in range(WORLD)]
 
 
@@ -61,11 +58,41 @@ def test_every_rank_matches_the_single_process_function(world_results, key):
 
 
 def test_communication_is_one_small_all_gather(world_results):
-    """Recorded by the 'communication' check: bytes per call, the same for T = 64 ... 16384."""
+    """Recorded by the 'communication' check (which also checks B = 70: two collectives)."""
     for n in GROUP_RANKS:
         for layout in LAYOUTS:
             sent = world_results[GROUP_RANKS[n][0]]["info"][f"communication/{n}/{layout}"]
-            assert sent == (10 * 4 + 1) * (1 if layout == "contiguous" else 2) * 8
+            assert sent == [("all_gather_single", ONE_CALL_BYTES)]
+
+
+DISAGREEMENTS = {
+    "batch": "the shape of state_value without its time dim",
+    "batch_zero_on_one_rank": "the shape of state_value without its time dim",
+    "batch_large": "rank 0 [69, 1], rank 1 [70, 1]",
+    "features": "the shape of state_value without its time dim",
+    "dtype": "the dtype of state_value: rank 0 'torch.float32', rank 1 'torch.float64'",
+    "layout": "layout",
+    "gamma": "gamma: rank 0 0.5, rank 1 0.9",
+    "lmbda": "lmbda: rank 0 0.5, rank 1 0.8",
+    "masked_value_targets": "masked_value_targets: rank 0 True, rank 1 False",
+    "next_state_value_none": "next_state_value is None: rank 0 True, rank 1 False",
+    "time_dim": "time_dim (non-negative): rank 0 0, rank 1 1",
+    "chunk_lengths": "the chunk lengths",
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("n", sorted(GROUP_RANKS))
+@pytest.mark.parametrize("what", sorted(DISAGREEMENTS))
+def test_disagreeing_ranks_raise_the_same_error(world_results, what, n, layout):
+    """Issue 29 item 7: every rank raises (none aborts in gloo, none waits), naming what differs."""
+    messages = [world_results[r]["info"].get(f"disagreement/{n}/{layout}/{what}") for r in GROUP_RANKS[n]]
+    assert all(messages), messages
+    assert DISAGREEMENTS[what] in messages[0], messages[0]
+    if what != "chunk_lengths":  # each rank says what its own chunk_lengths give
+        assert len(set(messages)) == 1, messages
+    if what == "batch_zero_on_one_rank":
+        assert "rank 0 [0, 1], rank 1 [3, 1]" in messages[0]
 
 
 # --- shard helpers, no processes ---------------------------------------------------------------

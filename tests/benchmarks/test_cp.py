@@ -14,8 +14,9 @@ def test_bench_cp_smoke(tmp_path, capsys):
     rows = json.loads((tmp_path / "cp.json").read_text())["rows"]
     by_name = {r["implementation"]: r for r in rows}
     assert set(by_name) == set(IMPLEMENTATIONS)
-    # One all_gather of (10 * B + 1) float64 numbers; the rebuild sends every row of V, V', r.
-    assert (by_name["masked_rl_cp"]["collectives"], by_name["masked_rl_cp"]["bytes_per_rank"]) == (1, 21 * 8)
+    # One all_gather of 20 + 640 float64 numbers (header and inline summaries); the rebuild
+    # sends every row of V, V', r.
+    assert (by_name["masked_rl_cp"]["collectives"], by_name["masked_rl_cp"]["bytes_per_rank"]) == (1, 660 * 8)
     assert (by_name["rebuild_per_sample"]["collectives"], by_name["rebuild_per_sample"]["bytes_per_rank"]) == (6, 3 * 2 * 301 * 8)
     assert (by_name["rebuild_one_call"]["collectives"], by_name["rebuild_one_call"]["bytes_per_rank"]) == (1, 3 * 2 * 301 * 8)
-    assert "| 2 | 2x301 | masked_rl_cp | 1 | 168 |" in capsys.readouterr().out
+    assert "| 2 | 2x301 | masked_rl_cp | 1 | 5,280 |" in capsys.readouterr().out
