@@ -51,6 +51,7 @@ __all__ = [
     "cp_all_gather",
     "cp_chunk_lengths",
     "cp_masked_generalized_advantage_estimate",
+    "cp_response_chunk_lengths",
     "cp_shard",
     "cp_unshard",
 ]
@@ -99,6 +100,69 @@ def cp_chunk_lengths(horizon: int, cp: int, layout: str = "contiguous") -> list[
         raise ValueError(f"horizon must be a non-negative int, got {horizon!r}")
     base, extra = divmod(horizon, chunks)
     return [base + (k < extra) for k in range(chunks)]
+
+
+def cp_response_chunk_lengths(
+    prompt_length: int,
+    response_length: int,
+    cp: int,
+    layout: str = "zigzag",
+    *,
+    sequence_length: int | None = None,
+) -> list[int]:
+    """A response's steps per chunk when CP shards the whole prompt + response sequence.
+
+    Megatron-style context parallelism shards token *positions*: the sequence of
+    ``sequence_length`` positions (prompt, response, any padding after it) is cut into
+    ``P = 2 * cp`` (``"zigzag"``) or ``cp`` (``"contiguous"``) chunks of
+    ``ceil(sequence_length / P)`` positions (the last ones shorter or empty), and rank ``r``
+    holds chunks ``r`` and ``2 * cp - 1 - r`` (or chunk ``r``), in that order. Step ``t`` of the
+    response emits response token ``t``, at position ``prompt_length + t``; its log-prob and its
+    value come from the logits at the position before (SPEC, language-model transcripts:
+    ``V[t] = critic(tokens)[t - 1]``), so the rank holding position ``prompt_length + t - 1``
+    computes step ``t``: the response's ``response_length`` steps sit at positions
+    ``prompt_length - 1 ... prompt_length + response_length - 2``. This returns how many of
+    them fall in each chunk, in row order: pass it as ``chunk_lengths`` to
+    :func:`cp_masked_generalized_advantage_estimate` (with each rank's response steps, in the
+    order it holds its positions) and to :func:`cp_shard` / :func:`cp_unshard` of response rows.
+
+    One list serves every row of a call, so rows sharing it must share ``prompt_length`` (left-pad
+    prompts to a common length, or call once per group of equal prompt lengths).
+
+    Args:
+        prompt_length (int): tokens before the response (``>= 1``: the first response token is
+            scored by the logits at the prompt's last position).
+        response_length (int): response tokens (steps), ``>= 0``.
+        cp (int): the CP group's size.
+        layout (str): ``"zigzag"`` (default) or ``"contiguous"``.
+
+    Keyword Args:
+        sequence_length (int, optional): positions sharded, padding included; defaults to
+            ``prompt_length + response_length``.
+
+    Examples:
+        >>> from masked_rl.distributed import cp_response_chunk_lengths
+        >>> # 5 prompt + 6 response tokens, 2 ranks zigzag: 4 chunks of 3 positions, the
+        >>> # response's steps at positions 4 ... 9
+        >>> cp_response_chunk_lengths(5, 6, 2)
+        [0, 2, 3, 1]
+    """
+    chunks = _check_layout(layout, cp)
+    for name, number, low in (("prompt_length", prompt_length, 1),
+                              ("response_length", response_length, 0)):
+        if isinstance(number, bool) or not isinstance(number, int) or number < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {number!r}")
+    total = prompt_length + response_length
+    if sequence_length is None:
+        sequence_length = total
+    if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < total:
+        raise ValueError(
+            f"sequence_length must be an int >= prompt_length + response_length = {total}, "
+            f"got {sequence_length!r}"
+        )
+    size = -(-sequence_length // chunks)
+    first, stop = prompt_length - 1, prompt_length - 1 + response_length
+    return [max(0, min(stop, (k + 1) * size) - max(first, k * size)) for k in range(chunks)]
 
 
 def _check_chunk_lengths(chunk_lengths: Sequence[int], cp: int, layout: str) -> list[int]:

@@ -19,6 +19,7 @@ from masked_rl import masked_standardize
 from masked_rl.distributed import (
     cp_chunk_lengths,
     cp_masked_generalized_advantage_estimate,
+    cp_response_chunk_lengths,
     cp_shard,
     cp_unshard,
 )
@@ -143,6 +144,48 @@ def test_shard_rejects_bad_arguments(kwargs, message):
         cp_shard(torch.zeros(1, 6, 1), 0, 2, **kwargs)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
         cp_shard(torch.zeros(1, 6, 1), 2, 2)
+
+
+def _megatron_positions(sequence_length, rank, cp, layout):
+    """The token positions a rank holds under Megatron-style CP: chunks of ceil(S / P)."""
+    chunks = 2 * cp if layout == "zigzag" else cp
+    size = -(-sequence_length // chunks)
+    held = (rank, 2 * cp - 1 - rank) if layout == "zigzag" else (rank,)
+    return [p for k in held for p in range(k * size, min((k + 1) * size, sequence_length))]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_response_chunk_lengths_match_slicing_full_sequences(layout, cp):
+    """Issue 27 item 2: the rank's response steps are those whose scoring position (one before
+    the token) it holds, in the order it holds them: cp_shard of the response row with these
+    lengths gives exactly them."""
+    for prompt in (1, 2, 5, 13):
+        for response in (0, 1, 4, 17, 40):
+            for padding in (0, 1, 7):
+                total = prompt + response + padding
+                lengths = cp_response_chunk_lengths(prompt, response, cp, layout, sequence_length=total)
+                assert sum(lengths) == response
+                steps = torch.arange(response).view(1, response, 1)
+                for rank in range(cp):
+                    expected = [p - (prompt - 1) for p in _megatron_positions(total, rank, cp, layout)
+                                if prompt - 1 <= p < prompt - 1 + response]
+                    got = cp_shard(steps, rank, cp, layout=layout, chunk_lengths=lengths)
+                    assert got.view(-1).tolist() == expected, (prompt, response, padding, rank)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ((0, 3, 2), {}, r"prompt_length must be an int >= 1, got 0"),
+        ((2, -1, 2), {}, r"response_length must be an int >= 0, got -1"),
+        ((2, 3, 2), dict(sequence_length=4), r"sequence_length must be an int >= .* = 5, got 4"),
+        ((2, 3, 2, "ring"), {}, r"layout must be one of"),
+    ],
+)
+def test_response_chunk_lengths_reject_bad_arguments(args, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cp_response_chunk_lengths(*args, **kwargs)
 
 
 def test_estimator_without_process_group_says_so():
