@@ -633,6 +633,53 @@ def check_disagreement(rec, key, n, rank, group, layout):
     rec.case(key, "truncated end with next_state_value=None", truncated)
 
 
+def check_data_parallel_loss(rec, key, n, rank, group, layout):
+    """Issue 27 item 3: a DDP step with masked_mean(group=...) has the gradient of the
+    single-process loss on the concatenated batch, whatever the split (unequal batch sizes and
+    trainable counts per rank, one rank with none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from masked_rl.reduction import masked_mean
+
+    if layout != "contiguous":
+        return  # no CP layout involved: run once per group
+    dp_group = dist.group.WORLD if group is None else group
+    g = torch.Generator().manual_seed(50 + n)
+    batches = [2 + q for q in range(n)]
+    inputs = [torch.randn(b, 6, 3, generator=g, dtype=torch.float64) for b in batches]
+    targets = [torch.randn(b, 6, generator=g, dtype=torch.float64) for b in batches]
+    masks = [torch.rand(b, 6, generator=g) < (0.2 + 0.6 * q / n) for q, b in enumerate(batches)]
+    masks[-1][:] = False  # no trainable token on the last rank
+    masks[0][0] = False  # and a sequence without any on the first
+
+    def per_token(model, x, y):
+        return (model(x).squeeze(-1) - y).pow(2)
+
+    for reduction in ("token_mean", "sequence_mean"):
+        torch.manual_seed(0)
+        single = torch.nn.Linear(3, 1).double()
+        ddp_model = DistributedDataParallel(torch.nn.Linear(3, 1).double(), process_group=dp_group)
+        ddp_model.module.load_state_dict(single.state_dict())
+        loss = masked_mean(per_token(ddp_model, inputs[rank], targets[rank]), masks[rank],
+                           reduction=reduction, group=dp_group)
+        loss.backward()
+        reference = masked_mean(per_token(single, torch.cat(inputs), torch.cat(targets)),
+                                torch.cat(masks), reduction=reduction)
+        reference.backward()
+        # What the per-rank means that DDP averages would give instead (not the reference).
+        naive = torch.nn.Linear(3, 1).double()
+        naive.load_state_dict(single.state_dict())
+        sum(masked_mean(per_token(naive, x, y), m, reduction=reduction)
+            for x, y, m in zip(inputs, targets, masks)).div(n).backward()
+
+        def case(ddp_model=ddp_model, single=single, naive=naive):
+            for (name, got), want, off in zip(ddp_model.module.named_parameters(), single.parameters(),
+                                              naive.parameters()):
+                _assert_equal(got.grad, want.grad, atol=1e-12, name=name)
+                assert (off.grad - want.grad).abs().max() > 1e-6, "the test cannot tell the splits apart"
+        rec.case(key, reduction, case)
+
+
 CHECKS = {
     "random_rows": check_random_rows,
     "structured_rows": check_structured_rows,
@@ -646,6 +693,7 @@ CHECKS = {
     "modules": check_modules,
     "next_from_row": check_next_from_row,
     "disagreement": check_disagreement,
+    "data_parallel_loss": check_data_parallel_loss,
 }
 
 
