@@ -14,7 +14,6 @@ set; with no writable folder at all, compiled anew in every process (:func:`_com
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 
@@ -26,12 +25,11 @@ import torch
 _PARALLEL_MIN_STEPS = 1 << 15
 
 # numba's threading layers differ in what they survive: its "workqueue" layer aborts the
-# process when two threads launch parallel work at once, and under its "omp" layer (GNU OpenMP)
-# a process forked after a parallel run is terminated by numba when it launches one. So one
-# thread at a time runs the parallel kernel (the others run their rows on their own thread
-# meanwhile), and only the process that imported this module does.
+# process when two threads launch parallel work at once, so one thread at a time runs the
+# parallel kernel (the others run their rows on their own thread meanwhile). A forked child
+# must not launch one at all (OpenMP's threads do not survive a fork: it would hang); the
+# caller says so with ``parallel=False``.
 _LAUNCH = threading.Lock()
-_LAUNCH_PID = os.getpid()
 
 
 def _compiled(**options):
@@ -50,15 +48,16 @@ def _compiled(**options):
 def masked_gae(value: np.ndarray, next_value: np.ndarray, reward: np.ndarray, done: np.ndarray,
                terminated: np.ndarray, trainable: np.ndarray, horizon: int, gamma: float,
                gamma_lmbda: float, masked_targets: bool, advantage: np.ndarray,
-               target: np.ndarray, has_target: np.ndarray) -> None:
+               target: np.ndarray, has_target: np.ndarray, *, parallel: bool = True) -> None:
     """:func:`masked_gae_rows` over every row, on up to ``torch.get_num_threads()`` threads
-    (the outputs are the same bits whatever the number: each row is one thread's)."""
+    (the outputs are the same bits whatever the number: each row is one thread's); on one
+    thread with ``parallel=False`` (a forked child: :mod:`masked_rl.functional`)."""
     rows = value.size // horizon
     scalar = value.dtype.type
     args = (value, next_value, reward, done, terminated, trainable, horizon, scalar(gamma),
             scalar(gamma_lmbda), masked_targets, advantage, target, has_target)
     threads = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS, rows)
-    if threads > 1 and value.size >= _PARALLEL_MIN_STEPS and os.getpid() == _LAUNCH_PID:
+    if parallel and threads > 1 and value.size >= _PARALLEL_MIN_STEPS:
         if _LAUNCH.acquire(blocking=False):
             try:  # one chunk of rows a thread (numba's other threads, if any, stay idle)
                 _masked_gae_chunks(np.arange(threads + 1) * rows // threads, *args)

@@ -21,12 +21,9 @@ from torchrl.objectives.value.advantages import (
 
 from masked_rl.distributed import LAYOUTS as CP_LAYOUTS
 from masked_rl.distributed import cp_masked_generalized_advantage_estimate
-from masked_rl.functional import (
-    _check_discount,
-    check_loss_mask,
-    masked_generalized_advantage_estimate,
-    masked_standardize,
-)
+from masked_rl._checks import _check_discount, check_loss_mask
+from masked_rl.functional import masked_generalized_advantage_estimate
+from masked_rl.statistics import masked_standardize
 
 __all__ = ["MaskedGAE"]
 

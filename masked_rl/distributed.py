@@ -39,12 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from masked_rl.functional import (
-    _LOW_PRECISION,
-    _check_gae_inputs,
-    _flat_nonzero,
-    masked_generalized_advantage_estimate,
-)
+from masked_rl._checks import _LOW_PRECISION, _check_gae_inputs
+from masked_rl._vectorized import _flat_nonzero
+from masked_rl.functional import masked_generalized_advantage_estimate
+from masked_rl.statistics import masked_moments
 
 __all__ = [
     "masked_moments",
@@ -876,40 +874,3 @@ def _fold(summaries: Tensor, lengths: list[int], gamma: float, gamma_lmbda: floa
         s = summaries[chunk]
         so_far = (s[:, _LAST_TRAIN] != 0) | (so_far & (s[:, _HAS_DONE] == 0))
     return right, has_left
-
-
-def masked_moments(values: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Tensor]:
-    """Mean and unbiased std (float64 scalars) of ``values[mask]`` over every rank of ``group``.
-
-    Each rank reduces its own entries to a count, a mean and a sum of squared deviations
-    (two passes, float64); one ``all_gather`` of those 3 numbers per rank and Chan et al.'s
-    pairwise merge give the statistics of the union, without the cancellation of a plain sum of
-    squares. A rank with no entry contributes nothing. ``group`` may be a sequence of groups
-    forming a grid (e.g. ``(cp_group, dp_group)``): they are merged one after the other (one
-    ``all_gather`` each), giving the statistics over every rank of the grid. Used by
-    :func:`~masked_rl.masked_standardize` with a ``group``.
-
-    Examples:
-        >>> import torch, torch.distributed as dist
-        >>> from masked_rl.distributed import masked_moments
-        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        >>> values = torch.tensor([1.0, 9.0, 3.0])
-        >>> mean, std = masked_moments(values, torch.tensor([True, False, True]), dist.group.WORLD)
-        >>> round(mean.item(), 4), round(std.item(), 4)
-        (2.0, 1.4142)
-        >>> dist.destroy_process_group()
-    """
-    groups = list(group) if isinstance(group, (list, tuple)) else [group]
-    values = values.detach().to(torch.float64)
-    count = mask.sum().to(torch.float64)
-    mean = torch.where(mask, values, 0.0).sum() / count.clamp_min(1)
-    squares = torch.where(mask, values - mean, 0.0).pow(2).sum()
-    for each in groups:
-        _, ranks = _group_rank(each)
-        gathered = values.new_empty(3 * ranks)
-        _all_gather_single(gathered, torch.stack((count, mean, squares)), group=each)
-        counts, means, spreads = gathered.view(ranks, 3).unbind(-1)
-        count = counts.sum()
-        mean = (counts * means).sum() / count.clamp_min(1)
-        squares = spreads.sum() + (counts * (means - mean).pow(2)).sum()
-    return mean, (squares / (count - 1).clamp_min(1)).sqrt()

@@ -4,6 +4,8 @@ and the guards that keep numba's threading layers out of trouble (concurrent cal
 from __future__ import annotations
 
 import multiprocessing
+import os
+from pathlib import Path
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,7 @@ import pytest
 import torch
 from masked_gae_reference import make_rollout, serial_masked_gae_batch
 
-from masked_rl import _cpu_kernel
+from masked_rl import _cpu_kernel, functional
 from masked_rl import masked_generalized_advantage_estimate as mgae
 
 # Rows x steps at or above the size where the parallel kernel runs.
@@ -43,9 +45,10 @@ def _calls(monkeypatch):
     serial, parallel = _cpu_kernel.masked_gae_rows, _cpu_kernel._masked_gae_chunks
 
     def count(name, kernel):
-        def wrapper(*args):
+        def wrapper(bounds, *args):
             counts[name] += 1
-            return kernel(*args)
+            counts[f"{name} chunks"] = bounds.size - 1
+            return kernel(bounds, *args)
         return wrapper
 
     monkeypatch.setattr(_cpu_kernel, "masked_gae_rows", count("serial", serial))
@@ -59,10 +62,10 @@ def test_rows_on_two_threads_give_the_bits_of_one(monkeypatch, masked_value_targ
     data = make_rollout(rows, STEPS, p_mask=0.4, p_done=0.002, seed=rows)
     counts = _calls(monkeypatch)
     one = _run(data, 1, masked_value_targets=masked_value_targets)
-    assert counts == {"serial": 1, "parallel": 0}
+    assert (counts["serial"], counts["parallel"]) == (1, 0)
     two = _run(data, 2, masked_value_targets=masked_value_targets)
-    if _cpu_kernel.numba.config.NUMBA_NUM_THREADS > 1:
-        assert counts == {"serial": 1, "parallel": 1}
+    # Two threads really ran (conftest gives numba two even on a one-core machine).
+    assert (counts["serial"], counts["parallel"], counts["parallel chunks"]) == (1, 1, 2)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     ref_adv, ref_target = serial_masked_gae_batch(0.99, 0.95, *data)
     torch.testing.assert_close(two[0], ref_adv, rtol=0, atol=1e-10)
@@ -72,7 +75,7 @@ def test_small_batches_stay_on_one_thread(monkeypatch):
     counts = _calls(monkeypatch)
     _run(make_rollout(4, 100, seed=1), 2)
     _run(make_rollout(1, _cpu_kernel._PARALLEL_MIN_STEPS, seed=1), 2)  # one row: one thread
-    assert counts == {"serial": 2, "parallel": 0}
+    assert (counts["serial"], counts["parallel"]) == (2, 0)
 
 
 def test_a_second_caller_runs_on_its_own_thread_meanwhile(monkeypatch):
@@ -86,18 +89,17 @@ def test_a_second_caller_runs_on_its_own_thread_meanwhile(monkeypatch):
         got = _run(data, 2)
     finally:
         _cpu_kernel._LAUNCH.release()
-    assert counts == {"serial": 1, "parallel": 0}
+    assert (counts["serial"], counts["parallel"]) == (1, 0)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_a_forked_process_runs_on_one_thread(monkeypatch):
-    # The guard: a process forked after the parallel kernel ran (GNU OpenMP's pool would hang
-    # there) uses the one-thread kernel.
+    # The guard: a forked process (GNU OpenMP's pool would hang there) uses the one-thread kernel.
     counts = _calls(monkeypatch)
-    monkeypatch.setattr(_cpu_kernel, "_LAUNCH_PID", -1)  # as if this process were a fork
+    monkeypatch.setattr(functional, "_FORKED_CHILD", True)  # as the at-fork hook sets it
     data = make_rollout(ROWS, STEPS, seed=3)
     got = _run(data, 2)
-    assert counts == {"serial": 1, "parallel": 0}
+    assert (counts["serial"], counts["parallel"]) == (1, 0)
     assert all(torch.equal(a, b) for a, b in zip(got, _run(data, 1)))
 
 
@@ -114,8 +116,7 @@ def test_fork_after_the_parallel_kernel_ran_is_safe(monkeypatch):
     data = make_rollout(ROWS, STEPS, seed=4)
     counts = _calls(monkeypatch)
     want = [float(x.numpy().sum()) for x in _run(data, 2)]
-    if _cpu_kernel.numba.config.NUMBA_NUM_THREADS > 1:
-        assert counts["parallel"] == 1  # the parent ran the parallel kernel before the fork
+    assert counts["parallel"] == 1  # the parent ran the parallel kernel before the fork
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_child, args=(queue, data))
@@ -126,6 +127,46 @@ def test_fork_after_the_parallel_kernel_ran_is_safe(monkeypatch):
         child.kill()
     assert not hung, "the forked child hung in the CPU kernel"
     assert child.exitcode == 0 and queue.get(timeout=5) == want
+
+
+_CHILDREN = """
+import multiprocessing, sys
+import numpy as np
+import torch
+from masked_gae_reference import make_rollout
+from masked_rl import masked_generalized_advantage_estimate as mgae
+
+def advantage(data):
+    # No torch kernel in the child but the estimator's own: after the parent's torch ran on
+    # two threads, torch's OpenMP pool is not usable in a forked child either.
+    return mgae(0.99, 0.95, *data)[0].numpy()
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    data = make_rollout(16, 4096, seed=5)  # torch's threads ran; the estimator did not, yet
+    with multiprocessing.get_context(sys.argv[1]).Pool(1) as pool:
+        child = pool.apply_async(advantage, (data,)).get(timeout=60)
+    assert np.array_equal(child, advantage(data))
+    print("same")
+"""
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_a_child_started_before_any_call_computes(tmp_path, start_method):
+    # #29: a child forked before the parent's first call hung in the parallel kernel.
+    if start_method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {start_method} here")
+    script = tmp_path / "children.py"
+    script.write_text(_CHILDREN)
+    tests = str(Path(__file__).parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = tests + ":" + env.get("PYTHONPATH", "")
+    try:
+        done = subprocess.run([sys.executable, str(script), start_method], capture_output=True,
+                              text=True, timeout=240, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a {start_method}ed child hung in the estimator")
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stderr[-2000:]
 
 
 # Small batches run the one-thread kernel in each caller; large ones contend for the parallel one.

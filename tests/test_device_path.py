@@ -1,6 +1,6 @@
 """The estimator's device path (torch kernels only, as on CUDA) run on the CPU.
 
-``masked_rl.functional._HOST_KERNELS = False`` makes CPU tensors take the path every other
+``masked_rl.checks_module._HOST_KERNELS = False`` makes CPU tensors take the path every other
 device takes: no NumPy, the selecting scan, ``index_add_`` run sums and one host
 synchronisation. These tests check that path against the plain serial reference, against the
 host path, for its errors, and that it synchronises once: every op it dispatches is one that
@@ -23,13 +23,13 @@ from masked_gae_reference import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import masked_rl.functional as functional
+import masked_rl._checks as checks_module
 from masked_rl import masked_generalized_advantage_estimate as mgae
 
 
 @pytest.fixture
 def device_path(monkeypatch):
-    monkeypatch.setattr(functional, "_HOST_KERNELS", False)
+    monkeypatch.setattr(checks_module, "_HOST_KERNELS", False)
 
 
 # Ops that make a CUDA host wait for the device: output sizes known only from the data, or
@@ -51,13 +51,13 @@ class RecordOps(TorchDispatchMode):
 
 def count_reads(monkeypatch):
     reads = []
-    original = functional._Checks.read
+    original = checks_module._Checks.read
 
     def read(self, *numbers):
         reads.append(len(numbers))
         return original(self, *numbers)
 
-    monkeypatch.setattr(functional._Checks, "read", read)
+    monkeypatch.setattr(checks_module._Checks, "read", read)
     return reads
 
 
@@ -98,11 +98,11 @@ def rollouts(draw):
 def test_device_path_matches_the_serial_reference_and_the_host_path(case):
     gamma, lmbda, data = case
     host = mgae(gamma, lmbda, *data, masked_value_targets=True)
-    functional._HOST_KERNELS = False
+    checks_module._HOST_KERNELS = False
     try:
         device = mgae(gamma, lmbda, *data, masked_value_targets=True)
     finally:
-        functional._HOST_KERNELS = True
+        checks_module._HOST_KERNELS = True
     advantage, target = serial_masked_gae_batch(gamma, lmbda, *data)
     torch.testing.assert_close(device[0], advantage, rtol=1e-10, atol=1e-10)
     all_targets, has_target = serial_masked_value_targets_batch(gamma, lmbda, *data)
@@ -154,11 +154,11 @@ def test_device_path_errors(device_path, case, message):
 def test_checks_read_device_and_cpu_numbers_in_order(device_path):
     # A CPU gamma tensor beside data on the device is read apart from the device's numbers
     # (stacking it there would cost a copy); the order of the numbers is kept.
-    checks = functional._Checks(at_once=False, device=torch.device("meta"))  # data elsewhere
+    checks = checks_module._Checks(at_once=False, device=torch.device("meta"))  # data elsewhere
     checks.fail_if(torch.tensor(False), lambda: None)
     assert checks.read(torch.tensor(0.5), torch.tensor(7), torch.tensor(0.25)) == [0.5, 7.0, 0.25]
     with RecordOps() as ops:  # the CPU numbers beside the device's data: read apart
-        functional._Checks(at_once=False, device=torch.device("meta")).read(torch.tensor(0.5))
+        checks_module._Checks(at_once=False, device=torch.device("meta")).read(torch.tensor(0.5))
     assert "cat" not in ops.names
     checks.fail_if(torch.tensor(True), lambda: (_ for _ in ()).throw(ValueError("bad input")))
     with pytest.raises(ValueError, match="bad input"):
