@@ -3,7 +3,9 @@
 Under context parallelism (Megatron CP, ring attention) each rank of a CP group holds a slice
 of every row. :func:`cp_masked_generalized_advantage_estimate` returns, on every rank, that
 rank's slice of what :func:`~masked_rl.masked_generalized_advantage_estimate` returns on the
-gathered rows, with one ``all_gather`` of a few numbers per row and chunk (never the rows).
+gathered rows, with one ``all_gather`` of a few numbers per row and chunk (never the rows; a
+second one beyond 64 rows x chunks), and raises the same error on every rank where the ranks'
+calls disagree.
 
 A row is cut into ``P`` chunks in row order (``P = cp`` for ``layout="contiguous"``, ``2 * cp``
 for ``"zigzag"``); rank ``r`` holds chunk ``r``, or chunks ``r`` and ``2 * cp - 1 - r``.
@@ -18,8 +20,10 @@ Algorithm, per rank:
    trainable step under the zero boundary (``a``) and how it depends on the right (the reverse
    scan ``x_j = delta_j + c * x_{j+1}`` is linear, so ``A = a + b * Z`` with ``b = c**(n - 1)``),
    and flags for adjacency and for "this episode has a trainable step so far".
-3. ``all_gather`` the summaries (one collective), then fold them from the last chunk to the
-   first (and the flags from the first to the last): every chunk learns what follows its last
+3. ``all_gather`` the summaries with a fixed-size header of what the ranks must agree on
+   (beyond 64 rows x chunks the header first, then the summaries), check the headers, then
+   fold the summaries from the last chunk to the first (and the flags from the first to the
+   last): every chunk learns what follows its last
    open step, the reward owed from the right ``R``, the next event's value and advantage, so
    ``Z = R + gamma * NV + gamma * lmbda * A_next``, the term missing from its last ``delta``.
 4. Add ``c**m * Z`` to the ``m``-th trainable step from the end of each chunk's open last
@@ -563,7 +567,7 @@ def cp_masked_generalized_advantage_estimate(
     # raising before would leave its peers waiting in the collective.
     try:
         if next_from_row and isinstance(state_value, Tensor):
-            next_state_value = state_value  # only for the checks: replaced below
+            next_state_value = state_value  # for the shape checks only
         time_dim, mask, gamma_f, lmbda_f, done, terminated = _check_gae_inputs(
             gamma, lmbda, state_value, next_state_value, reward, done, terminated, loss_mask,
             time_dim)
@@ -607,98 +611,115 @@ def cp_masked_generalized_advantage_estimate(
                          masked_value_targets, next_from_row, truncated_inside,
                          [lengths[k] for k in held])
 
-        out_dtype = state_value.dtype
-        dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
-        moved_shape = state_value.movedim(time_dim, -1).shape
-        rows = moved_shape[:-1].numel()
-        if rows == 0:  # the same on every rank (checked): only the header is exchanged
-            if next_from_row:
-                next_state_value = torch.zeros_like(state_value)
-            payload = None
-        else:
-            def as_rows(x: Tensor, to: torch.dtype) -> Tensor:
-                # [*B, T, F] -> [N, T]: one row per stream, as the single-process function sees them.
-                return x.movedim(time_dim, -1).reshape(rows, local_horizon).to(to)
-
-            value, next_value, rew = (as_rows(x, dtype) for x in (state_value, next_state_value, reward))
-            m, d, k = (as_rows(x, torch.bool) for x in (mask, done, terminated))
-            offsets = [_local_offset(chunk, held, lengths) for chunk in held]
-            if next_from_row:
-                # V'[t] = V[t + 1] inside each chunk; at a chunk's last step V' is read only before an
-                # adjacent action (its V then comes in that chunk's summary) or at the row end (0).
-                next_value = torch.zeros_like(value)
-                for chunk, start in zip(held, offsets):
-                    if lengths[chunk] > 1:
-                        stop = start + lengths[chunk]
-                        next_value[:, start:stop - 1] = value[:, start + 1:stop]
-
-            # 1. The local slice, every chunk closed at its last step with a zero bootstrap (the true
-            #    bootstrap, rewards and carry from the right are added in step 4).
-            local_done, local_term = d.clone(), k.clone()
-            for chunk, start in zip(held, offsets):
-                if lengths[chunk] > 0:
-                    end = start + lengths[chunk] - 1
-                    local_done[:, end] = True
-                    if chunk != last_chunk:
-                        local_term[:, end] = k[:, end] | ~d[:, end]
-            local = masked_generalized_advantage_estimate(
-                gamma, lmbda, value.unsqueeze(-1), next_value.unsqueeze(-1), rew.unsqueeze(-1),
-                local_done.unsqueeze(-1), local_term.unsqueeze(-1), m,
-                masked_value_targets=masked_value_targets,
-            )
-            # Contiguous [N, T_local] (already so: no copy), for flat index_add_ in step 4.
-            advantage, target = local[0].squeeze(-1).contiguous(), local[1].squeeze(-1).contiguous()
-            has_target = local[2].squeeze(-1) if masked_value_targets else None
-            gamma_lmbda = gamma_f * lmbda_f
-
-            # 2. Summaries, and 3. one all_gather of them (with each rank's chunk lengths, checked).
-            views = []
-            for chunk, start in zip(held, offsets):
-                span = slice(start, start + lengths[chunk])
-                chunk_done = d[:, span]
-                if chunk == last_chunk:  # the row's last step ends its episode
-                    chunk_done = chunk_done.clone()
-                    chunk_done[:, -1] = True
-                views.append(_Chunk(
-                    m[:, span], chunk_done, k[:, span], value[:, span], next_value[:, span],
-                    rew[:, span], open_end=chunk != last_chunk,
-                ))
-            payload = torch.stack([
-                view.summary(advantage[:, offset:offset + view.length], gamma_lmbda)
-                for view, offset in zip(views, offsets)
-            ]).reshape(-1)
+        rows = state_value.movedim(time_dim, -1).shape[:-1].numel()
+        local = None if rows == 0 else _LocalPass(
+            gamma, lmbda, gamma_f * lmbda_f, state_value, None if next_from_row else next_state_value,
+            reward, mask, done, terminated, time_dim=time_dim, lengths=lengths, held=held,
+            last_chunk=last_chunk, masked_value_targets=masked_value_targets)
     except Exception as error:  # noqa: BLE001 - re-raised once the peers know
         _exchange(None, None, cp, group, error,
                   state_value.device if isinstance(state_value, Tensor) else None)
         raise
-    gathered = _exchange(header, payload, cp, group, None, state_value.device,
-                         expected_lengths=lengths, rank=rank)
-    if payload is None:
+    gathered = _exchange(header, None if local is None else local.payload, cp, group, None,
+                         state_value.device, expected_lengths=lengths, rank=rank)
+    if local is None:  # B = 0 on every rank (checked): only the header was exchanged
         return masked_generalized_advantage_estimate(
-            gamma, lmbda, state_value, next_state_value, reward, done, terminated, mask,
-            time_dim=time_dim, masked_value_targets=masked_value_targets,
+            gamma, lmbda, state_value,
+            torch.zeros_like(state_value) if next_from_row else next_state_value,
+            reward, done, terminated, mask, time_dim=time_dim,
+            masked_value_targets=masked_value_targets,
         )
-    per_rank = len(held)
-    summaries = value.new_zeros((chunks, rows, _FIELDS))
-    by_rank = gathered.view(cp, per_rank, rows, _FIELDS)
+    summaries = gathered.new_zeros((chunks, rows, _FIELDS))
+    by_rank = gathered.view(cp, len(held), rows, _FIELDS)
     for q in range(cp):
         for i, chunk in enumerate(_rank_chunks(q, cp, layout)):
             summaries[chunk] = by_rank[q, i]
-    right, has_left = _fold(summaries, lengths, gamma_f, gamma_lmbda, next_from_row)
+    right, has_left = _fold(summaries, lengths, gamma_f, gamma_f * lmbda_f, next_from_row)
+    return local.finish(right, has_left, gamma_f)
 
-    # 4. Boundary corrections of the local chunks.
-    for chunk, view, start in zip(held, views, offsets):
-        if lengths[chunk] > 0:
-            view.correct(right[chunk], has_left[chunk], gamma_f, gamma_lmbda, advantage, target,
-                         has_target, start)
 
-    def unrows(x: Tensor) -> Tensor:
-        return x.reshape(moved_shape).movedim(-1, time_dim)
+class _LocalPass:
+    """Steps 1 and 2 on the rank's slice (its zero-boundary outputs and the summaries of its
+    chunks, ``payload``), then step 4 (:meth:`finish`) once the fold has run."""
 
-    result = (unrows(advantage).to(out_dtype), unrows(target).to(out_dtype))
-    if masked_value_targets:
-        return (*result, unrows(has_target))
-    return result
+    def __init__(self, gamma, lmbda, gamma_lmbda: float, state_value: Tensor,
+                 next_state_value: Tensor | None, reward: Tensor, mask: Tensor, done: Tensor,
+                 terminated: Tensor, *, time_dim: int, lengths: list[int], held: Sequence[int],
+                 last_chunk: int, masked_value_targets: bool):
+        self.out_dtype = out_dtype = state_value.dtype
+        dtype = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+        self.moved_shape = state_value.movedim(time_dim, -1).shape
+        self.time_dim, self.gamma_lmbda, self.held, self.lengths = time_dim, gamma_lmbda, held, lengths
+        rows, horizon = self.moved_shape[:-1].numel(), state_value.shape[time_dim]
+
+        def as_rows(x: Tensor, to: torch.dtype) -> Tensor:
+            # [*B, T, F] -> [N, T]: one row per stream, as the single-process function sees them.
+            return x.movedim(time_dim, -1).reshape(rows, horizon).to(to)
+
+        value, rew = as_rows(state_value, dtype), as_rows(reward, dtype)
+        m, d, k = (as_rows(x, torch.bool) for x in (mask, done, terminated))
+        self.offsets = offsets = [_local_offset(chunk, held, lengths) for chunk in held]
+        if next_state_value is None:
+            # V'[t] = V[t + 1] inside each chunk; at a chunk's last step V' is read only before
+            # an adjacent action (its V then comes in that chunk's summary) or at the row end (0).
+            next_value = torch.zeros_like(value)
+            for chunk, start in zip(held, offsets):
+                if lengths[chunk] > 1:
+                    stop = start + lengths[chunk]
+                    next_value[:, start:stop - 1] = value[:, start + 1:stop]
+        else:
+            next_value = as_rows(next_state_value, dtype)
+
+        # 1. The local slice, every chunk closed at its last step with a zero bootstrap (the
+        #    true bootstrap, rewards and carry from the right are added in step 4).
+        local_done, local_term = d.clone(), k.clone()
+        for chunk, start in zip(held, offsets):
+            if lengths[chunk] > 0:
+                end = start + lengths[chunk] - 1
+                local_done[:, end] = True
+                if chunk != last_chunk:
+                    local_term[:, end] = k[:, end] | ~d[:, end]
+        local = masked_generalized_advantage_estimate(
+            gamma, lmbda, value.unsqueeze(-1), next_value.unsqueeze(-1), rew.unsqueeze(-1),
+            local_done.unsqueeze(-1), local_term.unsqueeze(-1), m,
+            masked_value_targets=masked_value_targets,
+        )
+        # Contiguous [N, T_local] (already so: no copy), for flat index_add_ in step 4.
+        self.advantage = local[0].squeeze(-1).contiguous()
+        self.target = local[1].squeeze(-1).contiguous()
+        self.has_target = local[2].squeeze(-1) if masked_value_targets else None
+
+        # 2. Summaries (3., their all_gather, is the caller's).
+        self.views = []
+        for chunk, start in zip(held, offsets):
+            span = slice(start, start + lengths[chunk])
+            chunk_done = d[:, span]
+            if chunk == last_chunk:  # the row's last step ends its episode
+                chunk_done = chunk_done.clone()
+                chunk_done[:, -1] = True
+            self.views.append(_Chunk(
+                m[:, span], chunk_done, k[:, span], value[:, span], next_value[:, span],
+                rew[:, span], open_end=chunk != last_chunk,
+            ))
+        self.payload = torch.stack([
+            view.summary(self.advantage[:, offset:offset + view.length], gamma_lmbda)
+            for view, offset in zip(self.views, offsets)
+        ]).reshape(-1)
+
+    def finish(self, right: Tensor, has_left: Tensor, gamma: float):
+        """4. Boundary corrections of the local chunks; the outputs in the caller's layout."""
+        for chunk, view, start in zip(self.held, self.views, self.offsets):
+            if self.lengths[chunk] > 0:
+                view.correct(right[chunk], has_left[chunk], gamma, self.gamma_lmbda,
+                             self.advantage, self.target, self.has_target, start)
+
+        def unrows(x: Tensor) -> Tensor:
+            return x.reshape(self.moved_shape).movedim(-1, self.time_dim)
+
+        result = (unrows(self.advantage).to(self.out_dtype), unrows(self.target).to(self.out_dtype))
+        if self.has_target is not None:
+            return (*result, unrows(self.has_target))
+        return result
 
 
 class _Chunk:
