@@ -56,23 +56,24 @@ def masked_mean(values: Tensor, mask: Tensor, *, reduction: str = "token_mean", 
             their number. ``"sequence_mean"``: each sequence (a row of ``[*B]``) averaged over
             its trainable tokens, then the mean over the sequences that have any (a sequence
             without trainable tokens counts for nothing), as TorchRL's ``"prompt_mean"``.
-        group (ProcessGroup, optional): the data-parallel group whose gradients DDP averages
-            (``torch.distributed.group.WORLD`` for all ranks; under DP x CP, with
-            ``"token_mean"``, the group of every DP and CP rank). The denominator is then the
-            group's count (tokens, or sequences with a trainable token) and the result is
-            multiplied by the group's size ``W``: summed over ranks it is ``W`` times the global
-            mean, so the gradients DDP averages (divides by ``W``) are those of the global mean.
-            The value on one rank is that rank's share times ``W``, not the global mean: for
-            logging, all-reduce it and divide by ``W``. ``"sequence_mean"`` needs whole
-            sequences on each rank (no CP). ``None`` (default): this rank alone, no
+        group (ProcessGroup or sequence of them, optional): the ranks whose gradients DDP
+            averages: a data-parallel group (``torch.distributed.group.WORLD`` for all ranks),
+            or under DP x CP with ``"token_mean"`` the group of all those ranks or the pair
+            ``(cp_group, dp_group)`` (a grid: counted over both). The denominator is then the
+            count over every rank (tokens, or sequences with a trainable token) and the result
+            is multiplied by the number of ranks ``W``: summed over ranks it is ``W`` times the
+            global mean, so the gradients DDP averages (divides by ``W``) are those of the
+            global mean. The value on one rank is that rank's share times ``W``, not the global
+            mean: for logging, all-reduce it and divide by ``W``. ``"sequence_mean"`` needs
+            whole sequences on each rank (no CP). ``None`` (default): this rank alone, no
             communication.
 
     Returns:
         A 0-d tensor of ``values``' dtype; ``0`` (still connected to ``values``' graph) where the
         denominator is 0.
 
-    Communication: with a ``group``, one ``all_reduce`` of one float64 number per call (the
-    count); the counts are integers, so it is exact and the same on every rank.
+    Communication: with a ``group``, one ``all_reduce`` of one float64 number per call and
+    group (the count); counts are integers, so it is exact and the same on every rank.
 
     Examples:
         >>> import torch
@@ -102,9 +103,10 @@ def masked_mean(values: Tensor, mask: Tensor, *, reduction: str = "token_mean", 
 
         from masked_rl.distributed import _group_rank
 
-        _, world = _group_rank(group)
-        if dist.get_backend(group) == "nccl" and count.device.type != "cuda":
-            count = count.cuda()
-        dist.all_reduce(count, group=group)
+        for each in (group if isinstance(group, (list, tuple)) else [group]):
+            world *= _group_rank(each)[1]
+            if dist.get_backend(each) == "nccl" and count.device.type != "cuda":
+                count = count.cuda()
+            dist.all_reduce(count, group=each)
     mean = total / count.clamp_min(1).to(device=total.device, dtype=v.dtype)
     return mean * world if world != 1 else mean

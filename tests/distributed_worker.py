@@ -485,6 +485,27 @@ def check_grid(rec, rank, cp_groups, dp_groups):
                 _assert_equal(got["value_target"], expected["value_target"], name="value_target")
             rec.case(f"grid/4/{layout}", f"mvt={mvt}", case)
 
+    # DP x CP loss reduction: a DDP step over the 4 ranks with the token mean counted over the
+    # grid has the gradient of the token mean over every rank's tokens.
+    from torch.nn.parallel import DistributedDataParallel
+
+    from masked_rl.reduction import masked_mean
+
+    g = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2 + q, 5, 3, generator=g, dtype=torch.float64) for q in range(4)]
+    masks = [torch.rand(2 + q, 5, generator=g) < 0.15 * (q + 1) for q in range(4)]
+    torch.manual_seed(0)
+    single = torch.nn.Linear(3, 1).double()
+    model = DistributedDataParallel(torch.nn.Linear(3, 1).double())
+    model.module.load_state_dict(single.state_dict())
+    masked_mean(model(inputs[rank]).squeeze(-1).pow(2), masks[rank], group=(cp_group, dp_group)).backward()
+    masked_mean(single(torch.cat(inputs)).squeeze(-1).pow(2), torch.cat(masks)).backward()
+
+    def grid_loss_case():
+        for got, want in zip(model.module.parameters(), single.parameters()):
+            _assert_equal(got.grad, want.grad, atol=1e-12, name="grad")
+    rec.case("grid/4/zigzag", "DDP token_mean over (cp_group, dp_group)", grid_loss_case)
+
     # Data parallelism alone: whole rows on every rank, statistics over the DP group's ranks.
     got = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None, average_gae=True,
                     dp_group=dp_group)(batches[dp_rank].clone())
