@@ -46,6 +46,7 @@ from torchrl.objectives.value import ValueEstimatorBase
 
 from masked_rl.advantages import MaskedGAE
 from masked_rl.functional import check_loss_mask, masked_standardize
+from masked_rl.reduction import REDUCTIONS, masked_mean
 
 __all__ = [
     "MaskedClipPPOLoss",
@@ -58,6 +59,8 @@ __all__ = [
 # TorchRL's own validity entries (its ``loss_mask_key="auto"``): padding from split
 # trajectories and the shifted value estimation's invalid last steps.
 _VALIDITY_KEYS = (("collector", "mask"), "shifted_valid")
+# With reduction="token_mean" / "sequence_mean": each step's flat position in the input batch.
+_STEP_INDEX = ("_masked_rl", "step_index")
 
 
 def _step_mask(tensordict: TensorDictBase, key: NestedKey, *, what: str) -> torch.Tensor:
@@ -225,6 +228,9 @@ class MaskedPPOLossMixin:
                 # TorchRL updates the return statistics when its forward runs the estimator; the
                 # stock forward below sees the advantage present, so the update is made here.
                 self.advantage_norm.update(tensordict.get(keys.value_target)[trainable])
+        if self.reduction in REDUCTIONS:  # each selected step's flat position, to reduce by row
+            tensordict.set(_STEP_INDEX, torch.arange(tensordict.numel(), device=tensordict.device)
+                           .view(tensordict.batch_size))
         trainable, has_target = training_step_masks(
             tensordict, keys.loss_mask, keys.value_target_mask if self.masked_value_targets else None)
         critic_steps = None if has_target is None else tensordict[has_target]
@@ -249,7 +255,37 @@ class MaskedPPOLossMixin:
         With ``masked_value_targets``, a batch whose steps all carry targets but none trains the
         policy gives ``loss_objective`` and ``loss_entropy`` of ``0`` and the critic's outputs only.
         """
+        reduction = self.reduction
+        if reduction not in REDUCTIONS:
+            return self._loss_on_steps(*self._selected_steps(tensordict))
+        if reduction == "sequence_mean" and (self.cp_group is not None or tensordict.batch_dims < 2):
+            raise ValueError(
+                "reduction='sequence_mean' needs whole [*B, T] rows on each rank (no cp_group), "
+                f"got batch_size {list(tensordict.batch_size)} and cp_group={self.cp_group!r}"
+            )
         policy_steps, critic_steps = self._selected_steps(tensordict)
+        self.reduction = "none"  # per-step terms from the stock loss, reduced below
+        try:
+            out = self._loss_on_steps(policy_steps, critic_steps)
+        finally:
+            self.reduction = reduction
+        groups = [g for g in (self.cp_group, self.dp_group) if g is not None] or None
+        shape = tensordict.batch_size
+        for name in ("loss_objective", "loss_entropy", "loss_critic"):
+            if name not in out.keys():  # the same on every rank: each term makes its collective
+                continue
+            steps = critic_steps if name == "loss_critic" and critic_steps is not None else policy_steps
+            index = steps.get(_STEP_INDEX).reshape(-1)
+            # [: 0] of the 0-d zero a rank without policy steps gets (masked_value_targets).
+            per_step = out.get(name).reshape(-1)[: index.numel()]
+            rows = per_step.new_zeros(shape.numel()).index_add(0, index, per_step)
+            flags = torch.zeros(shape.numel(), dtype=torch.bool, device=index.device)
+            flags[index] = True
+            out.set(name, masked_mean(rows.view(shape), flags.view(shape), reduction=reduction,
+                                      group=groups))
+        return out
+
+    def _loss_on_steps(self, policy_steps: TensorDictBase, critic_steps: TensorDictBase | None) -> TensorDictBase:
         if critic_steps is None:
             return super().forward(policy_steps)
         if policy_steps.batch_size.numel() == 0:
@@ -405,6 +441,16 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
             (context parallelism: the input is this rank's slice of every row); with a group,
             ``normalize_advantage`` standardises over the trainable steps of every rank of
             ``cp_group`` and ``dp_group``. Default: none, whole rows on every rank.
+        reduction (str): ``ClipPPOLoss``'s (``"mean"``, the default, ``"sum"``, ``"none"``:
+            over this rank's trainable steps), or, for data parallelism,
+            ``"token_mean"`` / ``"sequence_mean"``: each ``loss_*`` term is
+            :func:`masked_rl.reduction.masked_mean` of its per-step values over the ranks of
+            ``dp_group`` (and ``cp_group``; ``"sequence_mean"`` needs whole rows), so that a
+            DDP step averaging gradients over those ranks has the gradient of the mean over
+            every rank's trainable steps (or sequences), whatever the split. One
+            ``all_reduce`` of one number per term and group. Without a group: this rank's
+            token (or sequence) mean. A rank's ``loss_*`` value is then its share times the
+            number of ranks (see ``masked_mean``).
         Every other argument is ``ClipPPOLoss``'s.
 
     Examples:

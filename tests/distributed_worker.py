@@ -701,6 +701,49 @@ def check_data_parallel_loss(rec, key, n, rank, group, layout):
         rec.case(key, reduction, case)
 
 
+def check_data_parallel_ppo_loss(rec, key, n, rank, group, layout):
+    """MaskedClipPPOLoss(reduction="token_mean" | "sequence_mean", dp_group=...): gradients
+    averaged over the ranks as DDP does equal the single-process gradient on the concatenated
+    batch (unequal batch sizes and trainable counts)."""
+    from masked_rl import MaskedClipPPOLoss, MaskedGAE
+
+    if layout != "contiguous":
+        return
+    dp_group = dist.group.WORLD if group is None else group
+    batches = []
+    for q in range(n):
+        td = rollout_td(2 + q, 7, seed=200 + q)
+        td["loss_mask"] = (torch.rand(2 + q, 7, generator=torch.Generator().manual_seed(q)) < 0.2 + 0.2 * q).to(torch.int8)
+        batches.append(MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None)(td))
+    for reduction in ("token_mean", "sequence_mean"):
+        for mvt in (False, True):
+            actor, critic = actor_critic()
+            loss = MaskedClipPPOLoss(actor, critic, reduction=reduction, dp_group=dp_group,
+                                     masked_value_targets=mvt)
+            reference = MaskedClipPPOLoss(*actor_critic(), reduction=reduction, masked_value_targets=mvt)
+            batch = batches[rank]
+            if mvt:
+                batch = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None, masked_value_targets=True)(batch.clone())
+            out = loss(batch)
+            sum(out[k] for k in ("loss_objective", "loss_critic", "loss_entropy")).backward()
+            grads = [p.grad.clone() for p in loss.parameters() if p.grad is not None]
+            for grad in grads:  # what DDP does: the mean over the ranks
+                dist.all_reduce(grad, group=dp_group)
+                grad /= n
+            full = torch.cat([b if not mvt else MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None,
+                                                          masked_value_targets=True)(b.clone())
+                              for b in batches])
+            ref_out = reference(full)
+            sum(ref_out[k] for k in ("loss_objective", "loss_critic", "loss_entropy")).backward()
+            expected = [p.grad for p in reference.parameters() if p.grad is not None]
+
+            def case(grads=grads, expected=expected):
+                assert len(grads) == len(expected) > 0
+                for got, want in zip(grads, expected):
+                    _assert_equal(got, want, atol=1e-12, name="grad")
+            rec.case(key, f"{reduction} mvt={mvt}", case)
+
+
 CHECKS = {
     "random_rows": check_random_rows,
     "structured_rows": check_structured_rows,
@@ -715,6 +758,7 @@ CHECKS = {
     "next_from_row": check_next_from_row,
     "disagreement": check_disagreement,
     "data_parallel_loss": check_data_parallel_loss,
+    "data_parallel_ppo_loss": check_data_parallel_ppo_loss,
 }
 
 

@@ -7,7 +7,9 @@ import math
 
 import pytest
 import torch
+from distributed_worker import actor_critic, rollout_td
 
+from masked_rl import MaskedClipPPOLoss, MaskedGAE
 from masked_rl.reduction import masked_mean
 
 
@@ -84,3 +86,35 @@ def test_rejects_bad_arguments(values, mask, kwargs, error, message):
 def test_group_without_process_group_says_so():
     with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
         masked_mean(torch.zeros(2, 3), torch.ones(2, 3), group=object())
+
+
+# --- MaskedClipPPOLoss(reduction="token_mean" | "sequence_mean") on one process ---------------
+
+
+def _loss_and_batch(reduction, seed=0):
+    td = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None)(rollout_td(4, 9, seed=seed))
+    return MaskedClipPPOLoss(*actor_critic(), reduction=reduction), td
+
+
+def test_loss_token_mean_is_the_mean_over_trainable_steps():
+    mean_loss, td = _loss_and_batch("mean")
+    token_loss, _ = _loss_and_batch("token_mean")
+    expected, got = mean_loss(td.clone()), token_loss(td.clone())
+    for name in ("loss_objective", "loss_critic", "loss_entropy"):
+        torch.testing.assert_close(got[name], expected[name], atol=1e-12, rtol=0)
+
+
+def test_loss_sequence_mean_averages_each_rows_steps_first():
+    per_step_loss, td = _loss_and_batch("none")
+    sequence_loss, _ = _loss_and_batch("sequence_mean")
+    per_step, got = per_step_loss(td.clone()), sequence_loss(td.clone())
+    rows = torch.arange(td.numel()).view(td.batch_size)[td["loss_mask"].bool()] // td.shape[1]
+    for name in ("loss_objective", "loss_critic", "loss_entropy"):
+        means = [per_step[name][rows == r].mean() for r in rows.unique()]
+        torch.testing.assert_close(got[name], torch.stack(means).mean(), atol=1e-12, rtol=0)
+
+
+def test_loss_sequence_mean_needs_rows():
+    loss, td = _loss_and_batch("sequence_mean")
+    with pytest.raises(ValueError, match=r"reduction='sequence_mean' needs whole \[\*B, T\] rows"):
+        loss(td.reshape(-1))
