@@ -20,3 +20,9 @@ def test_bench_cp_smoke(tmp_path, capsys):
     assert (by_name["rebuild_per_sample"]["collectives"], by_name["rebuild_per_sample"]["bytes_per_rank"]) == (6, 3 * 2 * 301 * 8)
     assert (by_name["rebuild_one_call"]["collectives"], by_name["rebuild_one_call"]["bytes_per_rank"]) == (1, 3 * 2 * 301 * 8)
     assert "| 2 | 2x301 | masked_rl_cp | 1 | 5,280 |" in capsys.readouterr().out
+
+
+def test_bench_cp_with_a_rank_holding_no_step(tmp_path):
+    """Issue 29 item 9: 2 ranks over rows of one step (rank 1 holds none) ran into max() of nothing."""
+    assert main(["--cp", "2", "--shapes", "2x1", "--repeats", "1", "--warmup", "0",
+                 "--out", str(tmp_path)]) == 0
