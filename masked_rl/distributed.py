@@ -362,6 +362,8 @@ _SHAPE_SLOTS = 6  # non-time dims sent one by one; the product of any further on
 _HEADER = 20  # float64 numbers per rank
 # Summaries of up to 64 rows x chunks (10 numbers each) travel with the header: one collective.
 _INLINE = 64 * _FIELDS
+# Header slots read by name (the agreed ones are listed in _AGREED below).
+_STATUS, _TRUNCATED, _HELD, _PAYLOAD_SIZE = 0, 15, slice(16, 18), 18
 
 
 class _Header(tuple):
@@ -410,7 +412,7 @@ def _exchange(header, payload: Tensor | None, cp: int, group, error: Exception |
     """
     numbers = [1.0] + [0.0] * (_HEADER - 1) if header is None else list(header)
     inline = payload is not None and payload.numel() <= _INLINE
-    numbers[18] = 0.0 if payload is None else float(payload.numel())
+    numbers[_PAYLOAD_SIZE] = 0.0 if payload is None else float(payload.numel())
     if dist.get_backend(group) == "nccl" and (device is None or device.type != "cuda"):
         device = torch.device("cuda", torch.cuda.current_device())  # NCCL sends CUDA tensors only
     sent = torch.zeros(_HEADER + _INLINE, dtype=torch.float64, device=device)
@@ -421,7 +423,7 @@ def _exchange(header, payload: Tensor | None, cp: int, group, error: Exception |
     _all_gather_single(gathered, sent, group=group)
     gathered = gathered.view(cp, sent.numel())
     headers = gathered[:, :_HEADER].tolist()
-    rejected = [q for q in range(cp) if headers[q][0] != 0]
+    rejected = [q for q in range(cp) if headers[q][_STATUS] != 0]
     if error is not None:
         return None
     if rejected:
@@ -437,7 +439,7 @@ def _exchange(header, payload: Tensor | None, cp: int, group, error: Exception |
                 f"the ranks of the CP group disagree on {name}: {per_rank}; every rank must pass "
                 f"its slice of the same rows with the same options"
             )
-    seen = [[int(n) for n in h[16:18] if n >= 0] for h in headers]
+    seen = [[int(n) for n in h[_HELD] if n >= 0] for h in headers]
     layout = LAYOUTS[int(headers[0][10])]
     expected = [[expected_lengths[j] for j in _rank_chunks(q, cp, layout)] for q in range(cp)]
     if seen != expected:
@@ -445,7 +447,7 @@ def _exchange(header, payload: Tensor | None, cp: int, group, error: Exception |
             f"the ranks disagree on the chunk lengths: rank {rank} expects per-rank chunk lengths "
             f"{expected}, the ranks hold {seen}; pass the same chunk_lengths on every rank"
         )
-    truncated = [q for q in range(cp) if headers[q][15]]
+    truncated = [q for q in range(cp) if headers[q][_TRUNCATED]]
     if truncated:
         raise ValueError(
             f"next_state_value=None reads V'[t] = V[t + 1], the next episode's value at an "
