@@ -47,7 +47,7 @@ from torchrl.objectives.utils import ValueEstimators, default_value_kwargs
 from torchrl.objectives.value import ValueEstimatorBase
 
 from masked_rl.advantages import MaskedGAE
-from masked_rl._checks import _LOW_PRECISION, check_loss_mask
+from masked_rl._checks import check_loss_mask
 from masked_rl.statistics import masked_standardize
 
 __all__ = [
@@ -207,10 +207,8 @@ class MaskedPPOLossMixin:
 
     def _standardize_advantage(self, advantage: torch.Tensor, tensordict: TensorDictBase) -> torch.Tensor:
         """``normalize_advantage``: TorchRL's, or with a :class:`~masked_rl.MaskedGAE` estimator
-        holding a ``cp_group`` or ``dp_group``, over the steps of every rank of those groups;
-        float16 and bfloat16 in float32."""
-        if advantage.dtype in _LOW_PRECISION:  # a half-precision sum of squares overflows
-            return self._standardize_advantage(advantage.float(), tensordict).to(advantage.dtype)
+        holding a ``cp_group`` or ``dp_group``, over the steps of every rank of those groups
+        (float64 statistics; TorchRL's reductions accumulate half precision in float32)."""
         estimator = getattr(self, "_value_estimator", None)
         groups = estimator.statistics_groups if isinstance(estimator, MaskedGAE) else []
         if not groups:

@@ -514,3 +514,15 @@ def test_empty_time_gives_empty_outputs(value_steps, with_network):
 def test_vectorized_is_refused():
     with pytest.raises(TypeError, match="no vectorized argument"):
         MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None, vectorized=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_average_gae_on_half_precision_is_standardised_in_float32(dtype):
+    td = rollout_td(8, 10_000, seed=3, p_mask=0.9, p_done=0.001)
+    td["next", "reward"] = 20 * td["next", "reward"]  # advantages whose squares sum past 65504
+    half = td.apply(lambda x: x.to(dtype) if x.is_floating_point() else x)
+    out = MaskedGAE(gamma=0.99, lmbda=0.95, value_network=None, average_gae=True)(half)
+    full = MaskedGAE(gamma=0.99, lmbda=0.95, value_network=None, average_gae=True)(
+        half.apply(lambda x: x.double() if x.is_floating_point() else x))
+    assert out["advantage"].dtype == dtype and torch.isfinite(out["advantage"]).all()
+    torch.testing.assert_close(out["advantage"].double(), full["advantage"], rtol=0.02, atol=0.02)

@@ -285,10 +285,27 @@ def test_low_precision_is_computed_in_float32(dtype):
     torch.testing.assert_close(adv, ref[0].to(dtype), rtol=0, atol=0)
 
 
-def test_empty_time_returns_empty():
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+@pytest.mark.parametrize("masked_value_targets", [False, True])
+def test_empty_time_returns_empty(implementation, masked_value_targets):
     data = make_rollout(3, 0, seed=0)
-    adv, target = mgae(0.99, 0.95, *data)
-    assert adv.shape == (3, 0, 1) and target.shape == (3, 0, 1)
+    out = mgae(0.99, 0.95, *data, implementation=implementation,
+               masked_value_targets=masked_value_targets)
+    assert [x.shape for x in out] == [(3, 0, 1)] * (3 if masked_value_targets else 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [10_000, 30_000])
+def test_low_precision_standardisation_is_computed_in_float32(dtype, n):
+    # #29: the half-precision sum of squares overflowed (all zeros at 10,000, NaN at 30,000).
+    g = torch.Generator().manual_seed(n)
+    advantage = (4 * torch.randn(1, n, 1, generator=g) + 3).to(dtype)
+    mask = torch.rand(1, n, generator=g) < 0.8
+    got = masked_standardize(advantage, mask)
+    expected = masked_standardize(advantage.double(), mask)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2)
+    assert got[mask].double().std().item() == pytest.approx(1.0, abs=0.01)
 
 
 def test_all_masked_batch_returns_zeros():

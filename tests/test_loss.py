@@ -560,3 +560,18 @@ def test_plain_gae_baseline_critic_on_every_step():
         predicted = critic(everything.clone())["state_value"]
     expected = loss.critic_coeff * (everything["value_target"] - predicted).pow(2).mean()
     torch.testing.assert_close(out["loss_critic"], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [10_000, 30_000])
+def test_normalize_advantage_on_half_precision_uses_float32(dtype, n):
+    # #29: masked_standardize overflowed in float16; normalize_advantage's statistics (TorchRL's
+    # reductions, or masked_moments' float64 with a group) must not either.
+    actor, critic = actor_critic()
+    loss = MaskedClipPPOLoss(actor, critic, normalize_advantage=True)
+    advantage = (4 * torch.randn(n, 1, generator=torch.Generator().manual_seed(n)) + 3).to(dtype)
+    td = TensorDict({"advantage": advantage}, batch_size=[n])
+    got = loss._standardize_advantage(advantage, td)
+    expected = loss._standardize_advantage(advantage.double(), td)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2)
