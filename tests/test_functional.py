@@ -186,7 +186,10 @@ def rollouts(draw):
     p_done = draw(st.sampled_from([0.0, 0.1, 0.3, 1.0]))
     gamma = draw(st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]))
     lmbda = draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]))
-    data = make_rollout(batch, horizon, p_mask=p_mask, p_done=p_done, seed=seed)
+    # V' independent of V[t + 1] too: then reading V' or V at an adjacent pair differs (rule 2).
+    consistent = draw(st.booleans())
+    data = make_rollout(batch, horizon, p_mask=p_mask, p_done=p_done, seed=seed,
+                        consistent=consistent)
     return gamma, lmbda, data
 
 
@@ -194,10 +197,30 @@ def rollouts(draw):
 @given(rollouts())
 def test_matches_serial_reference(case):
     gamma, lmbda, data = case
-    adv, target = mgae(gamma, lmbda, *data)
     ref_adv, ref_target = serial_masked_gae_batch(gamma, lmbda, *data)
-    torch.testing.assert_close(adv, ref_adv, rtol=0, atol=1e-10)
-    torch.testing.assert_close(target, ref_target, rtol=0, atol=1e-10)
+    for implementation in ("auto", "reference"):
+        adv, target = mgae(gamma, lmbda, *data, implementation=implementation)
+        torch.testing.assert_close(adv, ref_adv, rtol=0, atol=1e-10)
+        torch.testing.assert_close(target, ref_target, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("p_mask", [0.5, 0.8, 1.0])
+def test_adjacent_actions_read_next_value_where_it_differs_from_the_next_value(p_mask):
+    # The issue's case (4x40, seed 3, V' independent of V[t + 1]): the reference read V[t + 1]
+    # at adjacent actions and disagreed with the library by 2.25.
+    data = make_rollout(4, 40, p_mask=p_mask, seed=3, consistent=False)
+    value, next_value, *_, mask = data
+    adjacent = mask[:, :-1] & mask[:, 1:]
+    assert adjacent.any() and not torch.equal(next_value[:, :-1], value[:, 1:])
+    ref_adv, _ = serial_masked_gae_batch(0.9, 0.8, *data)
+    for implementation in ("auto", "reference"):
+        torch.testing.assert_close(mgae(0.9, 0.8, *data, implementation=implementation)[0],
+                                   ref_adv, rtol=0, atol=1e-10)
+    # V'[t] of an action followed by an adjacent one enters its delta with one gamma.
+    t = int(adjacent[0].nonzero()[0])
+    poked = [x.clone() for x in data]
+    poked[1][0, t] += 1.0
+    assert mgae(0.9, 0.8, *poked)[0][0, t] - ref_adv[0, t] == pytest.approx(0.9, abs=1e-9)
 
 
 @settings(max_examples=25, deadline=None)
