@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import dispatch
+from tensordict.nn import dispatch, skip_existing
 from tensordict.utils import NestedKey
 from torch import Tensor
 from torchrl.objectives.utils import hold_out_net
@@ -58,8 +58,10 @@ class MaskedGAE(GAE):
     their meaning (``value_network`` or precomputed ``"state_value"`` /
     ``("next", "state_value")``, ``average_gae``, ``group_key``, ``differentiable``,
     ``skip_existing``, ``shifted``, ``device``, ``time_dim``, ``auto_reset_env``, value
-    chunking). ``vectorized`` is accepted and ignored: the estimator is always exact (no
-    filter truncation), one compiled pass over each row on the CPU, vectorized elsewhere.
+    chunking). ``skip_existing=True`` reads ``"state_value"`` and ``("next", "state_value")``
+    where the input holds them (neither recomputed nor overwritten), as ``GAE`` does. TorchRL's
+    ``vectorized`` is refused: the estimator is always exact (no filter truncation), one
+    compiled pass over each row on the CPU, vectorized elsewhere.
 
     Keyword Args:
         masked_value_targets (bool): also write value targets at masked steps and the bool
@@ -150,6 +152,9 @@ class MaskedGAE(GAE):
     def __init__(self, *, masked_value_targets: bool = False, cp_group=None,
                  cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None,
                  value_steps: str = "read", **kwargs):
+        if "vectorized" in kwargs:
+            raise TypeError("MaskedGAE takes no vectorized argument: it always computes the exact "
+                            "masked recursion (compiled on the CPU, vectorized elsewhere)")
         for name in ("gamma", "lmbda"):  # at construction, not first at forward
             if name in kwargs:
                 _check_discount(name, kwargs[name])
@@ -259,6 +264,8 @@ class MaskedGAE(GAE):
                 self._require(tensordict, value_key, hint),
                 self._require(tensordict, ("next", value_key), hint),
             )
+        # From GAE.forward (TorchRL 0.14.1), to the _call_value_nets call: the same parameters
+        # and the same call; test_advantages checks the outputs against GAE's.
         if params is not None:
             params = params.detach()
             if target_params is None:
@@ -312,13 +319,18 @@ class MaskedGAE(GAE):
         terminated = tensordict.get(("next", keys.terminated), None)
         terminated = done if terminated is None else terminated.reshape(steps).bool()
         end = done.clone()
-        end.select(time_dim, -1).fill_(True)  # every row's last step ends an episode
+        if end.shape[time_dim]:
+            end.select(time_dim, -1).fill_(True)  # every row's last step ends an episode
         next_read = trainable | (end & ~terminated)
-        value = self._evaluate_at(tensordict, trainable, params)
-        next_value = self._evaluate_at(tensordict.get("next"), next_read, target_params)
-        tensordict.set(keys.value, value)
-        tensordict.set(("next", keys.value), next_value)
-        return value, next_value
+        values = []
+        for data, where, these_params in ((tensordict, trainable, params),
+                                          (tensordict.get("next"), next_read, target_params)):
+            stored = data.get(keys.value, None) if skip_existing() else None
+            if stored is None:  # as GAE (its value network skips existing outputs): stored wins
+                stored = self._evaluate_at(data, where, these_params)
+                data.set(keys.value, stored)
+            values.append(stored)
+        return values[0], values[1]
 
     def _evaluate_at(self, data: TensorDictBase, where: Tensor,
                      params: TensorDictBase | None) -> Tensor:
@@ -359,6 +371,8 @@ class MaskedGAE(GAE):
             )
         time_dim = self._get_time_dim(time_dim, tensordict)
         value, next_value = self._values(tensordict, params, target_params, time_dim)
+        # From GAE.forward (TorchRL 0.14.1), to the auto_reset_env block (checked against GAE
+        # with shifted=True and auto_reset_env=True in test_advantages).
         valid = tensordict.get("shifted_valid", None)
         data = self._prepare_shifted_tensordict(tensordict, valid, time_dim)
         reward = self._require(data, ("next", keys.reward))
@@ -369,7 +383,7 @@ class MaskedGAE(GAE):
             truncated = self._broadcast_optional(self._require(tensordict, ("next", "truncated")), value)
             reward = reward + self.gamma.to(reward.device) * value * truncated
             terminated = done
-
+        # Ours from here: the mask joins the call, and standardisation uses trainable steps.
         mask = check_loss_mask(self._require(tensordict, keys.loss_mask), reward, key=keys.loss_mask)
         if valid is not None:
             mask = mask & self._expand_to_match(valid, mask)

@@ -6,8 +6,9 @@ zero advantage, but that is not enough: a stock TorchRL PPO loss would still ave
 policy, entropy and critic terms over *every* step, pull the critic towards ``0`` at masked
 steps, standardise advantages with statistics diluted by the masked zeros, and report
 ``clip_fraction`` or ``kl_approx`` over actions the environment ignored. Here one forward
-(:meth:`MaskedPPOLossMixin.forward`) serves both entry points, :class:`MaskedClipPPOLoss` and
-:func:`attach_masked_gae`:
+(:meth:`MaskedPPOLossMixin.forward`) serves the three masked losses, :class:`MaskedClipPPOLoss`,
+:class:`MaskedKLPENPPOLoss` and :class:`MaskedPPOLoss` (TorchRL's ``ClipPPOLoss``,
+``KLPENPPOLoss`` and ``PPOLoss`` with the mixin in front):
 
 1. the loss mask is read and validated once (bool, or ``0`` / ``1`` numbers);
 2. if the input has no advantage yet, the value estimator runs on the full ``[*B, T]``
@@ -26,30 +27,34 @@ and from the critic too unless ``masked_value_targets`` asks the critic to learn
 ``reduction="none"`` the per-step outputs have shape ``[N]``.
 
 The rules and a worked case are in ``docs/semantics.md`` ("The loss side").
-The loss mask key is the loss's :attr:`loss_mask_key` (``tensor_keys.loss_mask``, one setting
-under two names). TorchRL's validity entries, ``("collector", "mask")`` and ``"shifted_valid"``,
-still count where present: a step trains only if it is trainable *and* valid.
+The trainable-step flag is the tensor key ``loss_mask`` (``tensor_keys.loss_mask``, default
+``"loss_mask"``, renamed with ``set_keys(loss_mask=...)``). TorchRL's own
+:attr:`~torchrl.objectives.LossModule.loss_mask_key` keeps its meaning, the *validity* entries
+(``"auto"``: ``("collector", "mask")`` and ``"shifted_valid"`` where present; a key; or ``None``):
+a step trains only if it is trainable *and* valid.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import dispatch
 from tensordict.utils import NestedKey
-from torchrl.objectives import ClipPPOLoss, PPOLoss
+from torchrl.objectives import ClipPPOLoss, KLPENPPOLoss, PPOLoss
 from torchrl.objectives.utils import ValueEstimators, default_value_kwargs
 from torchrl.objectives.value import ValueEstimatorBase
 
 from masked_rl.advantages import MaskedGAE
-from masked_rl.functional import check_loss_mask, masked_standardize
+from masked_rl._checks import check_loss_mask
 from masked_rl.reduction import REDUCTIONS, masked_mean
+from masked_rl.statistics import masked_standardize
 
 __all__ = [
     "MaskedClipPPOLoss",
+    "MaskedKLPENPPOLoss",
+    "MaskedPPOLoss",
     "MaskedPPOLossMixin",
     "attach_masked_gae",
     "select_trainable_steps",
@@ -61,6 +66,11 @@ __all__ = [
 _VALIDITY_KEYS = (("collector", "mask"), "shifted_valid")
 # With reduction="token_mean" / "sequence_mean": each step's flat position in the input batch.
 _STEP_INDEX = ("_masked_rl", "step_index")
+
+_RENAMED_KEY = (
+    "loss_mask_key is TorchRL's validity-mask setting (LossModule.loss_mask_key: 'auto', None or "
+    "a key), not the trainable-step flag: name that with loss.set_keys(loss_mask=...)"
+)
 
 
 def _step_mask(tensordict: TensorDictBase, key: NestedKey, *, what: str) -> torch.Tensor:
@@ -80,12 +90,14 @@ def training_step_masks(
     tensordict: TensorDictBase,
     loss_mask_key: NestedKey = "loss_mask",
     value_target_mask_key: NestedKey | None = None,
+    validity_keys: tuple[NestedKey, ...] = _VALIDITY_KEYS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The bool ``[*B]`` masks of the steps that train: ``(policy steps, critic steps or None)``.
 
     The one place the masked losses and :func:`select_trainable_steps` decide which steps
     train. A step trains the policy if ``tensordict[loss_mask_key]`` is ``1`` and it is valid
-    (TorchRL's ``("collector", "mask")`` and ``"shifted_valid"``, where present); with
+    (``validity_keys``, where present: by default TorchRL's ``("collector", "mask")`` and
+    ``"shifted_valid"``, what a loss's ``loss_mask_key="auto"`` reads); with
     ``value_target_mask_key``, a step trains the critic if it carries a value target there
     and is valid (``None``: the critic trains on the policy's steps). Flags have shape ``[*B]``
     or ``[*B, 1]`` and hold bool or ``0`` / ``1`` numbers; anything else raises a
@@ -98,7 +110,7 @@ def training_step_masks(
             tensordict, value_target_mask_key,
             what="value target mask (written by MaskedGAE(masked_value_targets=True))",
         )
-    for key in _VALIDITY_KEYS:
+    for key in validity_keys:
         if key in tensordict.keys(include_nested=True):
             valid = _step_mask(tensordict, key, what="validity mask")
             trainable = trainable & valid
@@ -128,37 +140,51 @@ def select_trainable_steps(
 
 
 class MaskedPPOLossMixin:
-    """The forward shared by every masked PPO loss; see :mod:`masked_rl.loss`.
+    """The constructor and forward shared by every masked PPO loss; see :mod:`masked_rl.loss`.
 
-    Mixed in before a TorchRL PPO loss class (``class MaskedClipPPOLoss(MaskedPPOLossMixin,
-    ClipPPOLoss)``); :func:`attach_masked_gae` builds such a class for any PPO loss.
+    Mixed in before a TorchRL PPO loss class, with the class's ``_AcceptedKeys`` extended by
+    ``loss_mask`` and ``value_target_mask``: :class:`MaskedClipPPOLoss`,
+    :class:`MaskedKLPENPPOLoss`, :class:`MaskedPPOLoss`.
+
+    Keyword Args:
+        masked_value_targets (bool): the default ``MaskedGAE`` also writes value targets at
+            masked steps, and the critic term is a mean over every step carrying one
+            (``value_target_mask``) instead of the trainable steps. Defaults to ``False``.
+        cp_group, cp_layout, cp_chunk_lengths, dp_group: passed to the default ``MaskedGAE``
+            (context parallelism: the input is this rank's slice of every row); with a group,
+            ``normalize_advantage`` standardises over the trainable steps of every rank of
+            ``cp_group`` and ``dp_group``. Default: none, whole rows on every rank.
+        reduction (str): the TorchRL loss's (``"mean"``, the default, ``"sum"``, ``"none"``:
+            over this rank's trainable steps), or, for data parallelism,
+            ``"token_mean"`` / ``"sequence_mean"``: each ``loss_*`` term is
+            :func:`masked_rl.reduction.masked_mean` of its per-step values over the ranks of
+            ``dp_group`` (and ``cp_group``; ``"sequence_mean"`` needs whole rows), so that a
+            DDP step averaging gradients over those ranks has the gradient of the mean over
+            every rank's trainable steps (or sequences), whatever the split. One
+            ``all_reduce`` of one number per term and group. Without a group: this rank's
+            token (or sequence) mean. A rank's ``loss_*`` value is then its share times the
+            number of ranks (see ``masked_mean``).
+        Every other argument is the TorchRL loss's.
     """
 
-    masked_value_targets: bool = False
-    # Defaults of the MaskedGAE this loss builds (MaskedClipPPOLoss takes them as arguments).
-    cp_group = None
-    cp_layout: str = "contiguous"
-    cp_chunk_lengths = None
-    dp_group = None
-
-    @property
-    def loss_mask_key(self) -> NestedKey:
-        """The per-step flag selecting the trainable steps: ``tensor_keys.loss_mask``."""
-        return self.tensor_keys.loss_mask
-
-    @loss_mask_key.setter
-    def loss_mask_key(self, value: NestedKey) -> None:
-        if value is None or value == "auto":
-            raise ValueError(
-                f"a masked PPO loss needs a loss mask key (TorchRL's validity entries "
-                f"{_VALIDITY_KEYS} are always honoured), got {value!r}"
-            )
-        self.set_keys(loss_mask=value)
+    def __init__(self, *args, masked_value_targets: bool = False, cp_group=None,
+                 cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None, **kwargs):
+        if "loss_mask_key" in kwargs:  # TorchRL's PPO losses would swallow it unread
+            raise TypeError(_RENAMED_KEY)
+        # Read by the default estimator, built on first use.
+        self.masked_value_targets = bool(masked_value_targets)
+        self.cp_group, self.cp_layout, self.cp_chunk_lengths = cp_group, cp_layout, cp_chunk_lengths
+        self.dp_group = dp_group
+        super().__init__(*args, **kwargs)
 
     def _loss_mask_keys(self) -> tuple[NestedKey, ...]:
         # TorchRL's reduction masks: none, every step handed to the stock loss is trainable and
-        # valid (the validity entries are folded into the selection below).
+        # valid (the validity entries, TorchRL's own resolution of loss_mask_key, are folded into
+        # the selection: _validity_keys).
         return ()
+
+    def _validity_keys(self) -> tuple[NestedKey, ...]:
+        return super()._loss_mask_keys()
 
     def make_value_estimator(self, value_type: ValueEstimators | str | None = None, **hyperparams):
         """As in TorchRL, except that ``None`` and ``ValueEstimators.GAE`` (or ``"gae"``) build a
@@ -194,7 +220,8 @@ class MaskedPPOLossMixin:
 
     def _standardize_advantage(self, advantage: torch.Tensor, tensordict: TensorDictBase) -> torch.Tensor:
         """``normalize_advantage``: TorchRL's, or with a :class:`~masked_rl.MaskedGAE` estimator
-        holding a ``cp_group`` or ``dp_group``, over the steps of every rank of those groups."""
+        holding a ``cp_group`` or ``dp_group``, over the steps of every rank of those groups
+        (float64 statistics; TorchRL's reductions accumulate half precision in float32)."""
         estimator = getattr(self, "_value_estimator", None)
         groups = estimator.statistics_groups if isinstance(estimator, MaskedGAE) else []
         if not groups:
@@ -232,7 +259,8 @@ class MaskedPPOLossMixin:
             tensordict.set(_STEP_INDEX, torch.arange(tensordict.numel(), device=tensordict.device)
                            .view(tensordict.batch_size))
         trainable, has_target = training_step_masks(
-            tensordict, keys.loss_mask, keys.value_target_mask if self.masked_value_targets else None)
+            tensordict, keys.loss_mask, keys.value_target_mask if self.masked_value_targets else None,
+            self._validity_keys())
         critic_steps = None if has_target is None else tensordict[has_target]
         policy_steps = tensordict[trainable]
         if policy_steps.batch_size.numel() == 0 and (critic_steps is None or critic_steps.batch_size.numel() == 0):
@@ -312,66 +340,35 @@ def _names_gae(value_type: ValueEstimators | str) -> bool:
     return isinstance(value_type, str) and value_type.lower() == "gae"
 
 
-def _masked_keys_class(keys_cls: type) -> type:
-    """``keys_cls`` (a loss's ``_AcceptedKeys`` dataclass) plus ``loss_mask`` and ``value_target_mask``."""
-    return dataclasses.make_dataclass(
-        keys_cls.__name__,
-        [("loss_mask", NestedKey, dataclasses.field(default="loss_mask")),
-         ("value_target_mask", NestedKey, dataclasses.field(default="value_target_mask"))],
-        bases=(keys_cls,),
-    )
-
-
-_MASKED_CLASSES: dict[type, type] = {}
-
-
-def _masked_class(loss_cls: type) -> type:
-    """The masked subclass of a TorchRL PPO loss class (built once per class)."""
-    if issubclass(loss_cls, MaskedPPOLossMixin):
-        return loss_cls
-    if loss_cls not in _MASKED_CLASSES:
-        keys = _masked_keys_class(loss_cls._AcceptedKeys)
-        _MASKED_CLASSES[loss_cls] = type(
-            f"Masked{loss_cls.__name__}",
-            (MaskedPPOLossMixin, loss_cls),
-            {"_AcceptedKeys": keys, "default_keys": keys, "__module__": __name__,
-             "__doc__": f"{loss_cls.__name__} over trainable steps (see :mod:`masked_rl.loss`)."},
-        )
-    return _MASKED_CLASSES[loss_cls]
-
-
 def attach_masked_gae(
-    loss: PPOLoss,
+    loss: MaskedPPOLossMixin,
     *,
     gamma: float,
     lmbda: float,
-    loss_mask_key: NestedKey = "loss_mask",
-    masked_value_targets: bool = False,
+    masked_value_targets: bool | None = None,
     **gae_kwargs,
 ) -> MaskedGAE:
-    """Make a TorchRL PPO loss train on trainable steps only, with :class:`~masked_rl.MaskedGAE`.
+    """Install a :class:`~masked_rl.MaskedGAE` with these settings on a masked PPO loss.
 
-    Works in place with :class:`~torchrl.objectives.ClipPPOLoss` (it becomes a
-    :class:`MaskedClipPPOLoss`), :class:`~torchrl.objectives.KLPENPPOLoss` and
-    :class:`~torchrl.objectives.PPOLoss` (they become their masked subclass, built on
-    :class:`MaskedPPOLossMixin`): the one forward of :mod:`masked_rl.loss` then runs, and a
-    ``MaskedGAE`` built from the loss's critic and keys is installed with
-    :meth:`~torchrl.objectives.LossModule.make_value_estimator`. (In TorchRL 0.14,
-    ``loss.value_estimator = estimator`` does *not* install an estimator: ``nn.Module.__setattr__``
-    registers it as a child module without calling the property setter.) Later
-    ``loss.set_keys(...)`` calls reach the estimator as usual. Calling it again replaces the
-    estimator and the keys.
+    The same as ``loss.make_value_estimator(ValueEstimators.GAE, gamma=..., lmbda=...,
+    **gae_kwargs)``: the estimator is built from the loss's critic and keys, and later
+    ``loss.set_keys(...)`` calls reach it. (In TorchRL 0.14, ``loss.value_estimator =
+    estimator`` does *not* install an estimator: ``nn.Module.__setattr__`` registers it as a
+    child module without calling the property setter.) Calling it again replaces the estimator.
+
+    A stock TorchRL loss is refused: build its masked class instead (``MaskedClipPPOLoss``,
+    ``MaskedKLPENPPOLoss``, ``MaskedPPOLoss``, same arguments); the loss's forward must select
+    the trainable steps, which a stock loss does not.
 
     Args:
-        loss (PPOLoss): the loss to modify.
+        loss (MaskedPPOLossMixin): a masked PPO loss.
 
     Keyword Args:
         gamma (float): discount factor, in ``[0, 1]``.
         lmbda (float): GAE trace decay, in ``[0, 1]``.
-        loss_mask_key (NestedKey): root key of the per-step flag (``1``: the policy's own step),
-            shape ``[*B]`` or ``[*B, 1]``, bool or 0/1. Defaults to ``"loss_mask"``.
-        masked_value_targets (bool): train the critic on every step carrying a value target
-            (masked steps included), see :mod:`masked_rl.loss`. Defaults to ``False``.
+        masked_value_targets (bool, optional): sets the loss's ``masked_value_targets`` (train
+            the critic on every step carrying a value target, masked steps included). Defaults
+            to ``None``: the loss's setting.
         **gae_kwargs: other :class:`~masked_rl.MaskedGAE` arguments (``average_gae``,
             ``differentiable``, ``device``, ``value_network`` to override the critic,
             ``cp_group``, ``cp_layout``, ``dp_group``: ``normalize_advantage`` then uses the
@@ -380,35 +377,56 @@ def attach_masked_gae(
     Returns:
         The installed :class:`~masked_rl.MaskedGAE`.
 
+    Raises:
+        TypeError: ``loss`` is not a masked PPO loss (the message names the class to use), or
+            ``loss_mask_key`` is passed (rename the trainable-step key with ``set_keys``).
+
     Examples:
         >>> import torch
         >>> from tensordict.nn import TensorDictModule
         >>> from torchrl.modules import ProbabilisticActor, ValueOperator
-        >>> from torchrl.objectives import ClipPPOLoss
         >>> from masked_rl import MaskedClipPPOLoss, attach_masked_gae
         >>> actor = ProbabilisticActor(
         ...     TensorDictModule(torch.nn.Linear(3, 4), ["observation"], ["logits"]),
         ...     in_keys=["logits"], distribution_class=torch.distributions.Categorical,
         ...     return_log_prob=True)
         >>> critic = ValueOperator(torch.nn.Linear(3, 1), in_keys=["observation"])
-        >>> loss = ClipPPOLoss(actor, critic)
-        >>> gae = attach_masked_gae(loss, gamma=0.99, lmbda=0.95)
-        >>> loss.value_estimator is gae, isinstance(loss, MaskedClipPPOLoss)
-        (True, True)
+        >>> loss = MaskedClipPPOLoss(actor, critic)
+        >>> gae = attach_masked_gae(loss, gamma=0.99, lmbda=0.95, average_gae=True)
+        >>> loss.value_estimator is gae
+        True
     """
-    if not isinstance(loss, PPOLoss):
-        raise TypeError(
-            f"attach_masked_gae expects a TorchRL PPO loss (ClipPPOLoss, KLPENPPOLoss, PPOLoss), "
-            f"got {type(loss).__name__}"
-        )
     if not isinstance(loss, MaskedPPOLossMixin):
-        old_keys = dataclasses.asdict(loss.tensor_keys)
-        loss.__class__ = _masked_class(type(loss))
-        loss._tensor_keys = loss._AcceptedKeys(**old_keys)
-    loss.masked_value_targets = bool(masked_value_targets)
-    loss.set_keys(loss_mask=loss_mask_key)
+        masked = next((cls for stock, cls in _MASKED_CLASSES if isinstance(loss, stock)), None)
+        if masked is None:
+            raise TypeError(
+                "attach_masked_gae expects a masked PPO loss (MaskedClipPPOLoss, "
+                f"MaskedKLPENPPOLoss, MaskedPPOLoss), got {type(loss).__name__}")
+        raise TypeError(
+            f"attach_masked_gae no longer turns a {type(loss).__name__} into a masked loss: build "
+            f"masked_rl.{masked.__name__} with the same arguments instead (a stock loss averages "
+            "over every step)")
+    if "loss_mask_key" in gae_kwargs:
+        raise TypeError(_RENAMED_KEY)
+    if masked_value_targets is not None:
+        loss.masked_value_targets = bool(masked_value_targets)
     loss.make_value_estimator(ValueEstimators.GAE, gamma=gamma, lmbda=lmbda, **gae_kwargs)
     return loss.value_estimator
+
+
+@dataclass
+class _MaskKeys:
+    """The keys every masked loss adds to its TorchRL loss's ``_AcceptedKeys``.
+
+    Attributes:
+        loss_mask (NestedKey): root key of the per-step flag, ``1`` where the step is the
+            policy's own. Defaults to ``"loss_mask"``.
+        value_target_mask (NestedKey): root key of the flag of steps carrying a value target,
+            read with ``masked_value_targets``. Defaults to ``"value_target_mask"``.
+    """
+
+    loss_mask: NestedKey = "loss_mask"
+    value_target_mask: NestedKey = "value_target_mask"
 
 
 class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
@@ -426,32 +444,15 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
       statistics, and ``clip_fraction``, ``kl_approx``, ``ESS``, ``entropy``, ``max_ratio``,
       ``mean_ratio`` and ``explained_variance`` describe them. A masked step gets zero
       gradient from every term. See :mod:`masked_rl.loss`.
-    - the tensor key ``loss_mask`` (default ``"loss_mask"``; also :attr:`loss_mask_key`; renamed
-      with ``set_keys``, forwarded to the estimator): shape ``[*B]`` or ``[*B, 1]``, bool or
-      ``0`` / ``1``; and ``value_target_mask`` (read with ``masked_value_targets``).
+    - the tensor key ``loss_mask`` (default ``"loss_mask"``; renamed with
+      ``set_keys(loss_mask=...)``, forwarded to the estimator): shape ``[*B]`` or ``[*B, 1]``,
+      bool or ``0`` / ``1``; and ``value_target_mask`` (read with ``masked_value_targets``).
+      TorchRL's :attr:`~torchrl.objectives.LossModule.loss_mask_key` keeps its meaning (the
+      validity entries; ``"auto"`` by default).
 
     Keyword Args:
-        loss_mask_key (NestedKey): the loss mask key, as ``set_keys(loss_mask=...)``
-            (``None`` and TorchRL's ``"auto"`` are refused: the validity entries always count).
-            Defaults to ``"loss_mask"``.
-        masked_value_targets (bool): the default ``MaskedGAE`` also writes value targets at
-            masked steps, and the critic term is a mean over every step carrying one
-            (``value_target_mask``) instead of the trainable steps. Defaults to ``False``.
-        cp_group, cp_layout, cp_chunk_lengths, dp_group: passed to the default ``MaskedGAE``
-            (context parallelism: the input is this rank's slice of every row); with a group,
-            ``normalize_advantage`` standardises over the trainable steps of every rank of
-            ``cp_group`` and ``dp_group``. Default: none, whole rows on every rank.
-        reduction (str): ``ClipPPOLoss``'s (``"mean"``, the default, ``"sum"``, ``"none"``:
-            over this rank's trainable steps), or, for data parallelism,
-            ``"token_mean"`` / ``"sequence_mean"``: each ``loss_*`` term is
-            :func:`masked_rl.reduction.masked_mean` of its per-step values over the ranks of
-            ``dp_group`` (and ``cp_group``; ``"sequence_mean"`` needs whole rows), so that a
-            DDP step averaging gradients over those ranks has the gradient of the mean over
-            every rank's trainable steps (or sequences), whatever the split. One
-            ``all_reduce`` of one number per term and group. Without a group: this rank's
-            token (or sequence) mean. A rank's ``loss_*`` value is then its share times the
-            number of ranks (see ``masked_mean``).
-        Every other argument is ``ClipPPOLoss``'s.
+        masked_value_targets, cp_group, cp_layout, cp_chunk_lengths, dp_group, reduction: see
+            :class:`MaskedPPOLossMixin`. Every other argument is ``ClipPPOLoss``'s.
 
     Examples:
         >>> import torch
@@ -481,31 +482,71 @@ class MaskedClipPPOLoss(MaskedPPOLossMixin, ClipPPOLoss):
     """
 
     @dataclass
-    class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
-        """``ClipPPOLoss`` keys plus ``loss_mask`` and ``value_target_mask``.
-
-        Attributes:
-            loss_mask (NestedKey): root key of the per-step flag, ``1`` where the step is the
-                policy's own. Defaults to ``"loss_mask"``.
-            value_target_mask (NestedKey): root key of the flag of steps carrying a value target,
-                read with ``masked_value_targets``. Defaults to ``"value_target_mask"``.
-        """
-
-        loss_mask: NestedKey = "loss_mask"
-        value_target_mask: NestedKey = "value_target_mask"
+    class _AcceptedKeys(_MaskKeys, ClipPPOLoss._AcceptedKeys):
+        """``ClipPPOLoss`` keys plus ``loss_mask`` and ``value_target_mask`` (:class:`_MaskKeys`)."""
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
 
-    def __init__(self, *args, loss_mask_key: NestedKey = "loss_mask", masked_value_targets: bool = False,
-                 cp_group=None, cp_layout: str = "contiguous", cp_chunk_lengths=None, dp_group=None,
-                 **kwargs):
-        # Read by the default estimator, built on first use.
-        self.masked_value_targets = bool(masked_value_targets)
-        self.cp_group, self.cp_layout, self.cp_chunk_lengths = cp_group, cp_layout, cp_chunk_lengths
-        self.dp_group = dp_group
-        super().__init__(*args, **kwargs)
-        self.loss_mask_key = loss_mask_key  # TorchRL's PPO losses would swallow it unread
+
+class MaskedKLPENPPOLoss(MaskedPPOLossMixin, KLPENPPOLoss):
+    """:class:`~torchrl.objectives.KLPENPPOLoss` over the trainable steps of a token stream.
+
+    As :class:`MaskedClipPPOLoss`, for TorchRL's KL-penalised PPO loss (the KL term is a mean over
+    trainable steps too). Keyword args: those of :class:`MaskedPPOLossMixin` and ``KLPENPPOLoss``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.modules import ProbabilisticActor, ValueOperator
+        >>> from tensordict.nn import TensorDictModule
+        >>> from masked_rl import MaskedKLPENPPOLoss
+        >>> actor = ProbabilisticActor(
+        ...     TensorDictModule(torch.nn.Linear(3, 4), ["observation"], ["logits"]),
+        ...     in_keys=["logits"], distribution_class=torch.distributions.Categorical,
+        ...     return_log_prob=True)
+        >>> loss = MaskedKLPENPPOLoss(actor, ValueOperator(torch.nn.Linear(3, 1), in_keys=["observation"]))
+        >>> loss.set_keys(loss_mask="trainable")  # the trainable-step flag's key
+        >>> loss.tensor_keys.loss_mask, loss.value_estimator.tensor_keys.loss_mask
+        ('trainable', 'trainable')
+    """
+
+    @dataclass
+    class _AcceptedKeys(_MaskKeys, KLPENPPOLoss._AcceptedKeys):
+        """``KLPENPPOLoss`` keys plus ``loss_mask`` and ``value_target_mask``."""
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
 
 
-_MASKED_CLASSES[ClipPPOLoss] = MaskedClipPPOLoss
+class MaskedPPOLoss(MaskedPPOLossMixin, PPOLoss):
+    """:class:`~torchrl.objectives.PPOLoss` (the unclipped objective) over the trainable steps.
+
+    As :class:`MaskedClipPPOLoss`. Keyword args: those of :class:`MaskedPPOLossMixin` and
+    ``PPOLoss``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.modules import ProbabilisticActor, ValueOperator
+        >>> from tensordict.nn import TensorDictModule
+        >>> from masked_rl import MaskedPPOLoss
+        >>> actor = ProbabilisticActor(
+        ...     TensorDictModule(torch.nn.Linear(3, 4), ["observation"], ["logits"]),
+        ...     in_keys=["logits"], distribution_class=torch.distributions.Categorical,
+        ...     return_log_prob=True)
+        >>> loss = MaskedPPOLoss(actor, ValueOperator(torch.nn.Linear(3, 1), in_keys=["observation"]))
+        >>> loss.set_keys(loss_mask="trainable")  # the trainable-step flag's key
+        >>> loss.tensor_keys.loss_mask, loss.value_estimator.tensor_keys.loss_mask
+        ('trainable', 'trainable')
+    """
+
+    @dataclass
+    class _AcceptedKeys(_MaskKeys, PPOLoss._AcceptedKeys):
+        """``PPOLoss`` keys plus ``loss_mask`` and ``value_target_mask``."""
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
+
+
+# The masked class of each stock loss, most derived first (for attach_masked_gae's error).
+_MASKED_CLASSES = ((ClipPPOLoss, MaskedClipPPOLoss), (KLPENPPOLoss, MaskedKLPENPPOLoss),
+                   (PPOLoss, MaskedPPOLoss))

@@ -399,7 +399,6 @@ def actor_critic(seed=0):
 
 def check_modules(rec, key, n, rank, group, layout):
     """MaskedGAE(cp_group=...) and MaskedClipPPOLoss(cp_group=...) on a rank's slice."""
-    from torchrl.objectives import ClipPPOLoss
 
     from masked_rl import MaskedClipPPOLoss, MaskedGAE, attach_masked_gae
 
@@ -437,7 +436,7 @@ def check_modules(rec, key, n, rank, group, layout):
                              cp_chunk_lengths=lengths)
     loss.make_value_estimator("gae", gamma=0.9, lmbda=0.8)
     got = loss(shard(full.clone()))
-    attached = ClipPPOLoss(actor, critic, normalize_advantage=True)
+    attached = MaskedClipPPOLoss(actor, critic, normalize_advantage=True)
     attach_masked_gae(attached, gamma=0.9, lmbda=0.8, cp_group=group, cp_layout=layout,
                       cp_chunk_lengths=lengths)
     got_attached = attached(shard(full.clone()))

@@ -13,7 +13,10 @@ def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated,
 
     Time only, no feature dim.
 
-    Deliberately naive: one episode at a time, one trainable step at a time.
+    Deliberately naive: one episode at a time, one trainable step at a time. Rule 2 as
+    docs/semantics.md states it: ``V[t_{j+1}]`` across a masked gap, ``V'[t_j]`` when the next
+    trainable step is adjacent, the end's bootstrap after the last one (the two readings of an
+    adjacent pair differ only on data where ``V'[t] != V[t + 1]``, which the tests draw too).
     Returns ``(advantage, value_target)`` as lists.
     """
     horizon = len(value)
@@ -33,6 +36,8 @@ def serial_masked_gae(gamma, lmbda, value, next_value, reward, done, terminated,
             effective_reward = reward[t] + sum(reward[u] for u in range(t + 1, stop))
             if last:
                 bootstrap = 0.0 if terminated[end] else next_value[end]
+            elif steps[j + 1] == t + 1:  # rule 2: adjacent actions read V'[t_j]
+                bootstrap = next_value[t]
             else:
                 bootstrap = value[steps[j + 1]]
             delta = effective_reward + gamma * bootstrap - value[t]

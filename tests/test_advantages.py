@@ -453,3 +453,76 @@ def test_value_steps_read_runs_every_step_where_the_loss_or_torchrl_needs_them(o
 def test_value_steps_is_checked():
     with pytest.raises(ValueError, match=r"value_steps must be one of \('read', 'all'\), got 'some'"):
         MaskedGAE(gamma=0.9, lmbda=0.9, value_network=None, value_steps="some")
+
+
+# --- TorchRL options that keep their meaning (#29) -----------------------------------------
+
+
+def stored_values_td(all_ones, seed=5):
+    """A value-network rollout that already holds values the critic would not give."""
+    td = value_network_td(batch=3, horizon=16, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    td["state_value"] = torch.randn(3, 16, 1, generator=g)
+    td["next", "state_value"] = torch.randn(3, 16, 1, generator=g)
+    if all_ones:
+        td["loss_mask"] = torch.ones_like(td["loss_mask"])
+    return td
+
+
+@pytest.mark.parametrize("value_steps", ["read", "all"])
+def test_skip_existing_reads_stored_values_as_torchrl_gae(value_steps):
+    torch.manual_seed(0)
+    critic = TensorDictModule(torch.nn.Linear(3, 1), in_keys=["obs"], out_keys=["state_value"])
+    td = stored_values_td(all_ones=True)
+    ours, theirs = td.clone(), td.clone()
+    MaskedGAE(gamma=0.95, lmbda=0.9, value_network=critic, skip_existing=True,
+              value_steps=value_steps)(ours)
+    GAE(gamma=0.95, lmbda=0.9, value_network=critic, skip_existing=True)(theirs)
+    for key in ("advantage", "value_target"):
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+    for key in ("state_value", ("next", "state_value")):  # neither recomputed nor overwritten
+        assert torch.equal(ours[key], td[key]) and torch.equal(theirs[key], td[key])
+
+
+def test_skip_existing_on_a_partial_mask_uses_the_stored_values_and_keeps_them():
+    torch.manual_seed(0)
+    critic = TensorDictModule(torch.nn.Linear(3, 1), in_keys=["obs"], out_keys=["state_value"])
+    td = stored_values_td(all_ones=False)
+    assert 0 < td["loss_mask"].float().mean() < 1
+    out = MaskedGAE(gamma=0.95, lmbda=0.9, value_network=critic, skip_existing=True)(td.clone())
+    expected = functional_on(td, 0.95, 0.9)
+    torch.testing.assert_close(out["advantage"], expected[0])
+    torch.testing.assert_close(out["value_target"], expected[1])
+    for key in ("state_value", ("next", "state_value")):
+        assert torch.equal(out[key], td[key])  # no NaN written at masked steps
+    # Without skip_existing the critic runs where the rule reads (another answer).
+    fresh = MaskedGAE(gamma=0.95, lmbda=0.9, value_network=critic)(td.clone())
+    assert not torch.allclose(fresh["advantage"], out["advantage"])
+
+
+@pytest.mark.parametrize("value_steps", ["read", "all"])
+@pytest.mark.parametrize("with_network", [False, True])
+def test_empty_time_gives_empty_outputs(value_steps, with_network):
+    torch.manual_seed(0)
+    td = value_network_td(batch=2, horizon=0) if with_network else rollout_td(2, 0)
+    critic = TensorDictModule(torch.nn.Linear(3, 1), in_keys=["obs"], out_keys=["state_value"])
+    out = MaskedGAE(gamma=0.9, lmbda=0.8, value_network=critic if with_network else None,
+                    value_steps=value_steps)(td)
+    assert out["advantage"].shape == out["value_target"].shape == (2, 0, 1)
+
+
+def test_vectorized_is_refused():
+    with pytest.raises(TypeError, match="no vectorized argument"):
+        MaskedGAE(gamma=0.9, lmbda=0.8, value_network=None, vectorized=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_average_gae_on_half_precision_is_standardised_in_float32(dtype):
+    td = rollout_td(8, 10_000, seed=3, p_mask=0.9, p_done=0.001)
+    td["next", "reward"] = 20 * td["next", "reward"]  # advantages whose squares sum past 65504
+    half = td.apply(lambda x: x.to(dtype) if x.is_floating_point() else x)
+    out = MaskedGAE(gamma=0.99, lmbda=0.95, value_network=None, average_gae=True)(half)
+    full = MaskedGAE(gamma=0.99, lmbda=0.95, value_network=None, average_gae=True)(
+        half.apply(lambda x: x.double() if x.is_floating_point() else x))
+    assert out["advantage"].dtype == dtype and torch.isfinite(out["advantage"]).all()
+    torch.testing.assert_close(out["advantage"].double(), full["advantage"], rtol=0.02, atol=0.02)

@@ -186,7 +186,10 @@ def rollouts(draw):
     p_done = draw(st.sampled_from([0.0, 0.1, 0.3, 1.0]))
     gamma = draw(st.sampled_from([0.0, 0.5, 0.9, 0.99, 1.0]))
     lmbda = draw(st.sampled_from([0.0, 0.5, 0.95, 1.0]))
-    data = make_rollout(batch, horizon, p_mask=p_mask, p_done=p_done, seed=seed)
+    # V' independent of V[t + 1] too: then reading V' or V at an adjacent pair differs (rule 2).
+    consistent = draw(st.booleans())
+    data = make_rollout(batch, horizon, p_mask=p_mask, p_done=p_done, seed=seed,
+                        consistent=consistent)
     return gamma, lmbda, data
 
 
@@ -194,10 +197,30 @@ def rollouts(draw):
 @given(rollouts())
 def test_matches_serial_reference(case):
     gamma, lmbda, data = case
-    adv, target = mgae(gamma, lmbda, *data)
     ref_adv, ref_target = serial_masked_gae_batch(gamma, lmbda, *data)
-    torch.testing.assert_close(adv, ref_adv, rtol=0, atol=1e-10)
-    torch.testing.assert_close(target, ref_target, rtol=0, atol=1e-10)
+    for implementation in ("auto", "reference"):
+        adv, target = mgae(gamma, lmbda, *data, implementation=implementation)
+        torch.testing.assert_close(adv, ref_adv, rtol=0, atol=1e-10)
+        torch.testing.assert_close(target, ref_target, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("p_mask", [0.5, 0.8, 1.0])
+def test_adjacent_actions_read_next_value_where_it_differs_from_the_next_value(p_mask):
+    # The issue's case (4x40, seed 3, V' independent of V[t + 1]): the reference read V[t + 1]
+    # at adjacent actions and disagreed with the library by 2.25.
+    data = make_rollout(4, 40, p_mask=p_mask, seed=3, consistent=False)
+    value, next_value, *_, mask = data
+    adjacent = mask[:, :-1] & mask[:, 1:]
+    assert adjacent.any() and not torch.equal(next_value[:, :-1], value[:, 1:])
+    ref_adv, _ = serial_masked_gae_batch(0.9, 0.8, *data)
+    for implementation in ("auto", "reference"):
+        torch.testing.assert_close(mgae(0.9, 0.8, *data, implementation=implementation)[0],
+                                   ref_adv, rtol=0, atol=1e-10)
+    # V'[t] of an action followed by an adjacent one enters its delta with one gamma.
+    t = int(adjacent[0].nonzero()[0])
+    poked = [x.clone() for x in data]
+    poked[1][0, t] += 1.0
+    assert mgae(0.9, 0.8, *poked)[0][0, t] - ref_adv[0, t] == pytest.approx(0.9, abs=1e-9)
 
 
 @settings(max_examples=25, deadline=None)
@@ -285,10 +308,27 @@ def test_low_precision_is_computed_in_float32(dtype):
     torch.testing.assert_close(adv, ref[0].to(dtype), rtol=0, atol=0)
 
 
-def test_empty_time_returns_empty():
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+@pytest.mark.parametrize("masked_value_targets", [False, True])
+def test_empty_time_returns_empty(implementation, masked_value_targets):
     data = make_rollout(3, 0, seed=0)
-    adv, target = mgae(0.99, 0.95, *data)
-    assert adv.shape == (3, 0, 1) and target.shape == (3, 0, 1)
+    out = mgae(0.99, 0.95, *data, implementation=implementation,
+               masked_value_targets=masked_value_targets)
+    assert [x.shape for x in out] == [(3, 0, 1)] * (3 if masked_value_targets else 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [10_000, 30_000])
+def test_low_precision_standardisation_is_computed_in_float32(dtype, n):
+    # #29: the half-precision sum of squares overflowed (all zeros at 10,000, NaN at 30,000).
+    g = torch.Generator().manual_seed(n)
+    advantage = (4 * torch.randn(1, n, 1, generator=g) + 3).to(dtype)
+    mask = torch.rand(1, n, generator=g) < 0.8
+    got = masked_standardize(advantage, mask)
+    expected = masked_standardize(advantage.double(), mask)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2)
+    assert got[mask].double().std().item() == pytest.approx(1.0, abs=0.01)
 
 
 def test_all_masked_batch_returns_zeros():

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from masked_gae_reference import make_rollout
 
 from masked_rl import masked_generalized_advantage_estimate as mgae
-from masked_rl.functional import (
-    _any,
+from masked_rl._checks import _any
+from masked_rl._vectorized import (
     _bootstrap,
     _doubling_scan,
     _reverse_linear_scan,

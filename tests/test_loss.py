@@ -1,4 +1,5 @@
-"""attach_masked_gae and MaskedClipPPOLoss: PPO terms over trainable steps only.
+"""The masked PPO losses (MaskedClipPPOLoss, MaskedKLPENPPOLoss, MaskedPPOLoss) and
+attach_masked_gae: PPO terms over trainable steps only.
 
 docs/semantics.md, "The loss side".
 """
@@ -15,7 +16,14 @@ from torchrl.objectives import ClipPPOLoss, KLPENPPOLoss, PPOLoss
 from torchrl.objectives.utils import ValueEstimators
 from torchrl.objectives.value import GAE
 
-from masked_rl import MaskedClipPPOLoss, MaskedGAE, attach_masked_gae, masked_standardize
+from masked_rl import (
+    MaskedClipPPOLoss,
+    MaskedGAE,
+    MaskedKLPENPPOLoss,
+    MaskedPPOLoss,
+    attach_masked_gae,
+    masked_standardize,
+)
 from masked_rl.loss import select_trainable_steps, training_step_masks
 
 OBS_DIM, N_ACTIONS = 3, 4
@@ -110,11 +118,12 @@ def attached(loss_cls):
     return make
 
 
+MASKED = {ClipPPOLoss: MaskedClipPPOLoss, KLPENPPOLoss: MaskedKLPENPPOLoss, PPOLoss: MaskedPPOLoss}
 ROUTES = {
     "MaskedClipPPOLoss": masked_clip,
-    "attach-ClipPPOLoss": attached(ClipPPOLoss),
-    "attach-KLPENPPOLoss": attached(KLPENPPOLoss),
-    "attach-PPOLoss": attached(PPOLoss),
+    "attach-MaskedClipPPOLoss": attached(MaskedClipPPOLoss),
+    "attach-MaskedKLPENPPOLoss": attached(MaskedKLPENPPOLoss),
+    "attach-MaskedPPOLoss": attached(MaskedPPOLoss),
 }
 routes = pytest.mark.parametrize("make_loss", ROUTES.values(), ids=ROUTES.keys())
 LOSS_TERMS = ("loss_objective", "loss_entropy", "loss_critic")
@@ -140,12 +149,12 @@ def with_masked_gae_advantage(td, critic):
 # --- the supported installation route ------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss_cls", [ClipPPOLoss, KLPENPPOLoss, PPOLoss])
+@pytest.mark.parametrize("loss_cls", [MaskedClipPPOLoss, MaskedKLPENPPOLoss, MaskedPPOLoss])
 def test_attach_installs_masked_gae_with_the_losss_critic_and_keys(loss_cls):
     actor, critic = actor_critic(value_key="v")
     loss = loss_cls(actor, critic)
-    loss.set_keys(value="v", advantage="adv")
-    gae = attach_masked_gae(loss, gamma=0.5, lmbda=0.25, loss_mask_key="trainable")
+    loss.set_keys(value="v", advantage="adv", loss_mask="trainable")
+    gae = attach_masked_gae(loss, gamma=0.5, lmbda=0.25)
     assert isinstance(gae, MaskedGAE)
     assert loss.value_estimator is gae
     assert gae.value_network is loss.critic_network
@@ -160,55 +169,69 @@ def test_assigning_value_estimator_does_not_install_it_in_torchrl():
     """Why attach_masked_gae uses make_value_estimator (see its docstring): plain assignment
     registers a child module and the loss keeps building its default GAE."""
     actor, critic = actor_critic()
-    loss = ClipPPOLoss(actor, critic)
+    loss = MaskedClipPPOLoss(actor, critic)
     gae = MaskedGAE(gamma=GAMMA, lmbda=LMBDA, value_network=critic)
     loss.value_estimator = gae
     assert loss.value_estimator is not gae
 
 
-def test_attach_twice_replaces_estimator_and_key():
+def test_attach_twice_replaces_the_estimator_and_later_keys_reach_it():
     actor, critic = actor_critic()
-    loss = ClipPPOLoss(actor, critic)
+    loss = MaskedClipPPOLoss(actor, critic)
     hooks = len(loss._forward_pre_hooks)
     attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA)
-    second = attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA, loss_mask_key="m")
-    assert loss.value_estimator is second
-    assert type(loss) is MaskedClipPPOLoss  # one forward for both entry points, no hooks
-    assert len(loss._forward_pre_hooks) == hooks
+    second = attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA)
+    loss.set_keys(loss_mask="m")
+    assert loss.value_estimator is second and second.tensor_keys.loss_mask == "m"
+    assert type(loss) is MaskedClipPPOLoss and len(loss._forward_pre_hooks) == hooks
     assert "m" in loss.in_keys and "loss_mask" not in loss.in_keys
     td = rollout(actor)
     td.rename_key_("loss_mask", "m")
     loss(td)  # reads the new key
 
 
-@pytest.mark.parametrize("loss_cls", [ClipPPOLoss, KLPENPPOLoss, PPOLoss])
-def test_one_mask_key_under_both_names(loss_cls):
-    """``loss.loss_mask_key`` (TorchRL's name) and ``tensor_keys.loss_mask`` are one setting."""
+@pytest.mark.parametrize("stock, masked", list(MASKED.items()))
+def test_attach_refuses_a_stock_loss_and_names_its_masked_class(stock, masked):
+    actor, critic = actor_critic()
+    loss = stock(actor, critic)
+    with pytest.raises(TypeError, match=f"masked_rl.{masked.__name__} with the same arguments"):
+        attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA)
+    assert type(loss) is stock  # no class surgery
+    assert isinstance(masked(actor, critic), stock)
+
+
+@pytest.mark.parametrize("loss_cls", [MaskedClipPPOLoss, MaskedKLPENPPOLoss, MaskedPPOLoss])
+def test_loss_mask_key_keeps_torchrls_meaning(loss_cls):
+    """``loss.loss_mask_key`` is TorchRL's validity setting; ``tensor_keys.loss_mask`` names the
+    trainable-step flag. A validity key given there removes its invalid steps too."""
     actor, critic = actor_critic()
     loss = loss_cls(actor, critic)
-    attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA, loss_mask_key="m")
-    assert isinstance(loss, loss_cls) and type(loss).__name__ == f"Masked{loss_cls.__name__}"
-    assert loss.loss_mask_key == loss.tensor_keys.loss_mask == loss.value_estimator.tensor_keys.loss_mask == "m"
-    loss.loss_mask_key = "trainable"
-    assert loss.tensor_keys.loss_mask == loss.value_estimator.tensor_keys.loss_mask == "trainable"
-    assert "trainable" in loss.in_keys and "m" not in loss.in_keys
-    with pytest.raises(ValueError, match="needs a loss mask key"):
-        loss.loss_mask_key = "auto"
-
-
-def test_masked_clip_takes_the_loss_mask_key_as_an_argument():
-    """``MaskedClipPPOLoss(loss_mask_key=...)`` is read, not swallowed by TorchRL's kwargs."""
-    actor, critic = actor_critic()
-    loss = MaskedClipPPOLoss(actor, critic, loss_mask_key="m")
-    assert loss.tensor_keys.loss_mask == loss.value_estimator.tensor_keys.loss_mask == "m"
+    assert loss.loss_mask_key == "auto" and loss.tensor_keys.loss_mask == "loss_mask"
     td = rollout(actor)
-    expected = MaskedClipPPOLoss(actor, critic)(td.clone())
-    td.rename_key_("loss_mask", "m")
-    out = loss(td)
-    for key in expected.keys():
-        torch.testing.assert_close(out[key], expected[key], msg=key)
-    with pytest.raises(ValueError, match="needs a loss mask key"):
-        MaskedClipPPOLoss(actor, critic, loss_mask_key="auto")
+    valid = torch.ones(td.batch_size, dtype=torch.bool)
+    valid[0] = False
+    td["my_valid"] = valid
+    loss.make_value_estimator(gamma=GAMMA, lmbda=LMBDA)
+    loss.loss_mask_key = "my_valid"
+    got = outputs_and_grads(loss, td)[0]
+    loss.loss_mask_key = "auto"  # "my_valid" is not one of TorchRL's auto entries: all rows train
+    auto = outputs_and_grads(loss, td)[0]
+    td["loss_mask"][0] = 0
+    expected = outputs_and_grads(loss, td)[0]
+    for key in LOSS_TERMS:
+        torch.testing.assert_close(got[key], expected[key], msg=key)
+    assert not torch.equal(auto["loss_objective"], expected["loss_objective"])
+    with pytest.raises(ValueError, match="loss_mask_key must be"):
+        loss.loss_mask_key = 3
+
+
+def test_loss_mask_key_as_a_constructor_or_attach_argument_is_a_clear_error():
+    """It used to name the trainable-step key; TorchRL's losses would swallow it unread."""
+    actor, critic = actor_critic()
+    with pytest.raises(TypeError, match=r"set_keys\(loss_mask=...\)"):
+        MaskedClipPPOLoss(actor, critic, loss_mask_key="m")
+    with pytest.raises(TypeError, match=r"set_keys\(loss_mask=...\)"):
+        attach_masked_gae(MaskedClipPPOLoss(actor, critic), gamma=GAMMA, lmbda=LMBDA, loss_mask_key="m")
 
 
 def test_select_trainable_steps_honours_torchrl_validity():
@@ -429,7 +452,7 @@ def test_batch_without_trainable_step_raises(make_loss):
 
 
 def test_attach_rejects_non_ppo_losses():
-    with pytest.raises(TypeError, match="PPO loss"):
+    with pytest.raises(TypeError, match="masked PPO loss"):
         attach_masked_gae(nn.Linear(1, 1), gamma=GAMMA, lmbda=LMBDA)
 
 
@@ -470,8 +493,7 @@ def masked_targets_loss(make_loss, actor, critic, **kwargs):
         loss = MaskedClipPPOLoss(actor, critic, masked_value_targets=True, **kwargs)
         loss.make_value_estimator(gamma=GAMMA, lmbda=LMBDA)
         return loss
-    loss = {ROUTES[k]: c for k, c in (("attach-ClipPPOLoss", ClipPPOLoss), ("attach-KLPENPPOLoss", KLPENPPOLoss),
-                                      ("attach-PPOLoss", PPOLoss))}[make_loss](actor, critic, **kwargs)
+    loss = make_loss(actor, critic, **kwargs)
     attach_masked_gae(loss, gamma=GAMMA, lmbda=LMBDA, masked_value_targets=True)
     return loss
 
@@ -538,3 +560,18 @@ def test_plain_gae_baseline_critic_on_every_step():
         predicted = critic(everything.clone())["state_value"]
     expected = loss.critic_coeff * (everything["value_target"] - predicted).pow(2).mean()
     torch.testing.assert_close(out["loss_critic"], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [10_000, 30_000])
+def test_normalize_advantage_on_half_precision_uses_float32(dtype, n):
+    # #29: masked_standardize overflowed in float16; normalize_advantage's statistics (TorchRL's
+    # reductions, or masked_moments' float64 with a group) must not either.
+    actor, critic = actor_critic()
+    loss = MaskedClipPPOLoss(actor, critic, normalize_advantage=True)
+    advantage = (4 * torch.randn(n, 1, generator=torch.Generator().manual_seed(n)) + 3).to(dtype)
+    td = TensorDict({"advantage": advantage}, batch_size=[n])
+    got = loss._standardize_advantage(advantage, td)
+    expected = loss._standardize_advantage(advantage.double(), td)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, rtol=1e-2, atol=1e-2)
