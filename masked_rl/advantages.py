@@ -51,8 +51,8 @@ class MaskedGAE(GAE):
     - with an all-ones mask the output equals :class:`~torchrl.objectives.value.GAE`'s.
 
     Downstream, masked steps must also get no gradient: reduce the PPO loss over
-    trainable steps only (:func:`masked_rl.attach_masked_gae` and
-    :class:`masked_rl.MaskedClipPPOLoss` do it).
+    trainable steps only (:class:`masked_rl.MaskedClipPPOLoss` and the other masked losses of
+    :mod:`masked_rl.loss` do it).
 
     Args and keyword args are those of :class:`~torchrl.objectives.value.GAE` and keep
     their meaning (``value_network`` or precomputed ``"state_value"`` /

@@ -57,6 +57,12 @@ def serial_masked_gae(gamma: float, lmbda: float, value: list, next_value: list,
 
     Returns ``(advantage, value_target, has_target)`` lists. One episode (segment) at a time,
     one trainable step at a time, from the last to the first.
+
+    Examples:
+        >>> zeros = [0.0] * 6
+        >>> serial_masked_gae(0.9, 0.5, zeros, zeros, [0, 0, 0, 0, 0, 2.0], [0, 0, 0, 0, 0, 1],
+        ...                   [0, 0, 0, 0, 0, 1], [1, 0, 0, 0, 0, 1])[0]   # worked case 1
+        [0.9, 0.0, 0.0, 0.0, 0.0, 2.0]
     """
     horizon = len(value)
     advantage, target, has_target = [0.0] * horizon, [0.0] * horizon, [False] * horizon
@@ -220,6 +226,9 @@ def masked_generalized_advantage_estimate(
         empty = args[0].clone()
         outputs = (empty, empty.clone(), torch.zeros_like(empty, dtype=torch.bool))
     elif implementation == "reference":
+        if _needs_autograd(*args[:3], gamma, lmbda):
+            raise ValueError("implementation='reference' computes with Python numbers and gives no "
+                             "gradient: use implementation='auto' under autograd")
         gamma_f, lmbda_f = _read_discounts(checks, gamma_n, lmbda_n)
         rows = zip(*(x.view(-1, horizon).tolist() for x in args))
         results = [serial_masked_gae(gamma_f, lmbda_f, *row, masked_value_targets) for row in rows]

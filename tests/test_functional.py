@@ -474,3 +474,11 @@ def test_integer_values_raise():
     done = torch.zeros(1, 3, 1, dtype=torch.bool)
     with pytest.raises(ValueError, match="state_value must be a floating tensor, got torch.int64"):
         mgae(0.9, 0.9, values, values, values, done, done, torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_reference_implementation_refuses_autograd_and_unknown_names():
+    value, *rest = make_rollout(2, 5, seed=0)
+    with pytest.raises(ValueError, match="no gradient"):
+        mgae(0.9, 0.8, value.requires_grad_(), *rest, implementation="reference")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        mgae(0.9, 0.8, value.detach(), *rest, implementation="numba")

@@ -139,6 +139,9 @@ def one_episode_batch(seed, rows=5, steps=50):
     last = torch.where(mask, torch.arange(steps), -1).amax(1, keepdim=True)
     # No reward on a masked step before the last trainable step (the reference drops those).
     reward = torch.where(mask | (torch.arange(steps) > last), reward, 0.0)
+    # One episode a row: V'[t] = V[t + 1] everywhere inside it, as in a rollout (the reference
+    # system reads V[t + 1] at adjacent actions, the rule V'[t]: the same numbers here).
+    next_value = torch.cat((value[:, 1:], next_value[:, -1:]), 1)
     return value, next_value, reward, done, terminated, mask
 
 
