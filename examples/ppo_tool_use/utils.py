@@ -62,12 +62,11 @@ def make_env(env_id: str, num_envs: int, device: str = "cpu", *, backend: str = 
 
 
 def episode_step_limit(env_id: str, **env_kwargs) -> int:
-    """The most steps an episode of ``env_id`` can take (its ``max_steps``)."""
-    env = gym.make(env_id, **env_kwargs)
-    try:
-        return int(env.unwrapped.max_steps)
-    finally:
-        env.close()
+    """The most steps an episode of ``env_id`` can take: its registered ``max_episode_steps``
+    (gymnasium's TimeLimit), or the ``max_steps`` that ``env_kwargs`` override it with."""
+    if "max_steps" in env_kwargs:
+        return int(env_kwargs["max_steps"])
+    return int(gym.spec(env_id.rpartition(":")[2]).max_episode_steps)
 
 
 # --- networks ------------------------------------------------------------------------------
