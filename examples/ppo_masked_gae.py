@@ -45,7 +45,7 @@ class Config:
     seed: int = 0
     """Seed of torch, the training environments and the evaluation tasks."""
     total_frames: int = 2_000_000
-    """Environment steps to train for, masked steps included."""
+    """Environment steps to train for, masked steps included (rounded up to whole batches)."""
     num_envs: int = 128
     """Environments stepped together (one tensor-batched env)."""
     frames_per_batch: int = 16_384
@@ -181,8 +181,9 @@ def train(cfg: Config) -> dict:
     optimizer = torch.optim.Adam(loss.parameters(), lr=cfg.lr)
 
     # Collector: the policy network runs on the agent's steps only (SkipMaskedSteps).
+    total_frames = -(-cfg.total_frames // cfg.frames_per_batch) * cfg.frames_per_batch  # whole batches
     collector = Collector(make_env(cfg, cfg.num_envs), SkipMaskedSteps(actor),
-                          frames_per_batch=cfg.frames_per_batch, total_frames=cfg.total_frames,
+                          frames_per_batch=cfg.frames_per_batch, total_frames=total_frames,
                           auto_register_policy_transforms=False)  # feed-forward: none needed
     collector.set_seed(cfg.seed)
     # Each row's unfinished episode waits for the next batch: no episode is cut at a batch end,
@@ -213,7 +214,7 @@ def train(cfg: Config) -> dict:
                     nn.utils.clip_grad_norm_(loss.parameters(), cfg.max_grad_norm)
                     optimizer.step()
         collector.update_policy_weights_()
-        if frames >= next_eval or frames >= cfg.total_frames:
+        if frames >= next_eval or frames >= total_frames:
             success = greedy_success(actor, eval_env, eval_seed, max_episode_steps)
             history.append({"frames": frames, "success_rate": success})
             print(f"frames {frames:>9,}  greedy success {success:6.1%}  "
