@@ -104,6 +104,13 @@ def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
         parser.error(f"--device must be cpu, cuda or cuda:N, got {device!r}")
 
 
+def _check_discounts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("gamma", "lmbda"):
+        value = getattr(args, name)
+        if not 0.0 <= value <= 1.0:  # nan too
+            parser.error(f"--{name} must be in [0, 1], got {value}")
+
+
 def _check_writable(parser: argparse.ArgumentParser, folder: Path) -> None:
     try:  # before the benchmark runs, not after
         check_writable_folder("--out", folder)
@@ -122,8 +129,7 @@ def parse_bench_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--min-time-ms must be >= 0, got {args.min_time_ms}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
-    if not (math.isfinite(args.gamma) and math.isfinite(args.lmbda)):
-        parser.error(f"--gamma and --lmbda must be finite, got {args.gamma} and {args.lmbda}")
+    _check_discounts(parser, args)
     _check_device(parser, args.device)
     if args.device.startswith("cuda") and args.clock == "cpu":
         parser.error("--clock cpu times the CPU only; use the wall clock with --device cuda")
@@ -163,5 +169,13 @@ def parse_cp_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"{args.cp}, {args.repeats}, {args.threads} and {args.warmup}")
     if not args.tolerance >= 0:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
+    _check_discounts(parser, args)
+    per_row = 2 if args.layout == "zigzag" else 1  # chunks per rank
+    for cp in args.cp:
+        for batch, steps in args.shapes:
+            if steps < per_row * cp:
+                parser.error(f"--shapes {batch}x{steps}: --cp {cp} with --layout {args.layout} "
+                             f"cuts each row into {per_row * cp} chunks, so rows need at least "
+                             f"{per_row * cp} steps, got {steps}")
     _check_writable(parser, args.out)
     return args

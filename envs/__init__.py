@@ -49,6 +49,7 @@ __all__ = [
     "ToolUseGrammar",
     "make_torchrl_env",
     "oracle_action",
+    "time_limit_kwargs",
 ]
 
 HARD_KWARGS = dict(
@@ -96,6 +97,27 @@ _IDS = (
     ("MaskedRL/ToolUseLong64-v0", LONG64_KWARGS),
     ("MaskedRL/ToolUseLong256-v0", LONG256_KWARGS),
 )
+_DEFAULT_MAX_STEPS = 80  # ToolUseEnv's default max_steps (tests/envs/test_env_ids.py checks it)
 for _env_id, _kwargs in _IDS:
     if _env_id not in gymnasium.registry:  # importing twice (e.g. importlib reload) is harmless
-        gymnasium.register(id=_env_id, entry_point=_ENTRY_POINT, kwargs=_kwargs)
+        # Gymnasium's TimeLimit at the env's own step budget: `spec.max_episode_steps` tells
+        # users the limit, and both truncate at the same step (ToolUseEnv sizes its transcript
+        # by max_steps, so it keeps its own truncation; the TimeLimit never cuts earlier).
+        gymnasium.register(id=_env_id, entry_point=_ENTRY_POINT, kwargs=_kwargs,
+                           max_episode_steps=_kwargs.get("max_steps", _DEFAULT_MAX_STEPS))
+
+
+def time_limit_kwargs(env_kwargs: dict) -> dict:
+    """``env_kwargs`` plus the ``max_episode_steps`` that ``gymnasium.make`` needs when they
+    override ``max_steps``: the registered TimeLimit would otherwise cut episodes at the id's
+    budget, not the new one.
+
+    Example:
+        >>> import gymnasium, masked_rl_envs
+        >>> env = gymnasium.make("MaskedRL/ToolUse-v0", **time_limit_kwargs({"max_steps": 120}))
+        >>> env.spec.max_episode_steps, env.unwrapped.max_steps
+        (120, 120)
+    """
+    if "max_steps" not in env_kwargs:
+        return dict(env_kwargs)
+    return {**env_kwargs, "max_episode_steps": env_kwargs["max_steps"]}

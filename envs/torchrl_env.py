@@ -61,6 +61,10 @@ def _single_worker_env(env_id, num_envs, backend, vectorization, device, categor
     import gymnasium as gym
     from torchrl.envs import GymEnv, GymWrapper
 
+    from masked_rl_envs import time_limit_kwargs
+
+    env_kwargs = time_limit_kwargs(env_kwargs)
+
     if num_envs == 1:
         import torch
         from torchrl.data import Unbounded

@@ -135,9 +135,12 @@ class CompleteEpisodes:
         length = full.batch_size[1]
         steps = torch.arange(length, device=valid.device)
         done = _flag(full, self.done_key) & valid
-        last_end = torch.where(done, steps, -1).amax(-1, keepdim=True)
+        # -1 where a row has no episode end (also for T = 0, where amax has nothing to reduce)
+        ends = torch.where(done, steps, -1)
+        no_end = torch.full((rows, 1), -1, dtype=ends.dtype, device=ends.device)
+        last_end = torch.cat([no_end, ends], dim=1).amax(-1, keepdim=True)
         held = (steps > last_end) & valid  # the unfinished episode at the end of each row
-        keep = int(held.sum(-1).max())
+        keep = int(held.sum(-1).amax()) if rows else 0
         if keep:
             # Cloned: a collector may reuse the memory of its batches.
             self._held = full[:, length - keep :].exclude(VALID_KEY).clone()

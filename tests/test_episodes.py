@@ -121,3 +121,23 @@ def test_with_a_torchrl_collector():
         assert (continues | ends)[both_valid].all()
     collector.shutdown()
     assert max(lengths) > 30  # held-back steps were carried
+
+
+def test_empty_batches_pass_through_and_keep_what_is_held():
+    """T = 0 and B = 0 (e.g. a collector's empty last batch) neither raise nor lose the held steps."""
+    complete = CompleteEpisodes()
+    empty = stream(3, 0, p_done=0.5, seed=0)
+    out = complete(empty)
+    assert out.batch_size == torch.Size([3, 0]) and complete.held_steps == 0
+    no_rows = complete.__class__()(stream(0, 5, p_done=0.5, seed=0))
+    assert no_rows.batch_size == torch.Size([0, 5])
+
+    first = stream(3, 6, p_done=0.3, seed=1)
+    first["next", "done"][:, -1] = False  # every row ends on an unfinished episode
+    complete(first)
+    held = complete.held_steps
+    assert held > 0
+    out = complete(empty)  # nothing new: the held steps come back, still held
+    assert complete.held_steps == held and not out["collector", "mask"].any()
+    ids = out["step_id"][complete._held_valid]
+    assert set(ids.tolist()) <= set(first["step_id"].flatten().tolist())

@@ -37,12 +37,14 @@ if __package__:  # imported, e.g. by `masked-rl compare` (masked_rl_examples.ppo
     from . import utils
     from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, CompareCommand, Config,
                          changed_options, parse_compare_command, read_run_config)
-    from .ppo_tool_use import SUCCESS_THRESHOLD, train
+    from .config import RunFolderError
+    from .ppo_tool_use import SUCCESS_THRESHOLD, run_error_message, train
 else:  # run as a script from this folder: python compare.py
     import utils
     from config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, CompareCommand, Config,
                         changed_options, parse_compare_command, read_run_config)
-    from ppo_tool_use import SUCCESS_THRESHOLD, train
+    from config import RunFolderError
+    from ppo_tool_use import SUCCESS_THRESHOLD, run_error_message, train
 
 
 @dataclass
@@ -70,8 +72,14 @@ def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
                          "differ): use another --output, or delete that folder")
     summary_path = run_dir / SUMMARY_FILE
     if summary_path.is_file():
-        summary = json.loads(summary_path.read_text())
-        if summary["status"] == "completed" and summary["total_frames"] >= cfg.total_frames:
+        try:
+            summary = json.loads(summary_path.read_text())
+            finished = summary["status"] == "completed"
+            total_frames = int(summary["total_frames"])
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{str(summary_path)!r} is not a run summary ({type(err).__name__}: "
+                             f"{err}): delete it to resume the run from its checkpoint") from None
+        if finished and total_frames >= cfg.total_frames:
             return PlannedRun(cfg, run_dir, "done", summary)
     if (run_dir / CHECKPOINT_FILE).is_file():
         return PlannedRun(cfg, run_dir, "resume")
@@ -106,11 +114,22 @@ def plan_runs(command: CompareCommand) -> list[PlannedRun]:
 _stopping = None  # in a worker process: the event set when the comparison is stopping
 
 
-def _init_worker(stopping) -> None:
+def _init_worker(stopping, parent_pid: int) -> None:
     global _stopping
     _stopping = stopping
     # Outside train() (which handles it), a Ctrl-C must not kill the worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    utils.die_with_parent(parent_pid)
+
+
+def _end_workers_and_exit(signum, frame) -> None:
+    """SIGTERM / SIGHUP in the parent: end the workers too, then exit ``128 + signum``.
+
+    Otherwise they would train on, orphaned, and a rerun of the same command would resume their
+    folders while they still write them."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+    raise SystemExit(128 + signum)
 
 
 def train_planned(run: PlannedRun) -> dict | None:
@@ -139,29 +158,54 @@ def run_all(runs: list[PlannedRun], jobs: int) -> tuple[list[dict | None], bool]
             # and collector state is fragile).
             context = multiprocessing.get_context("spawn")
             stopping = context.Event()
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=context,
-                                     initializer=_init_worker, initargs=(stopping,)) as pool:
-                with utils.sigint_ignored():  # the workers start ignoring Ctrl-C
-                    futures = {pool.submit(train_planned, runs[i]): i for i in todo}
-                pending = set(futures)
-                while pending:
-                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        if not future.cancelled():
-                            summaries[futures[future]] = future.result()
-                            bar.update()
-                    if interrupt.requested and not stopping.is_set():
-                        # A terminal's Ctrl-C reaches the workers too; `kill -INT <this pid>`
-                        # does not: pass it on. Runs not started yet see `stopping` and skip.
-                        stopping.set()
-                        for future in pending:
-                            future.cancel()
-                        for child in multiprocessing.active_children():
-                            os.kill(child.pid, signal.SIGINT)
+            previous = {signum: signal.signal(signum, _end_workers_and_exit)
+                        for signum in (signal.SIGTERM, signal.SIGHUP)}
+            try:
+                summaries, failure = _run_in_pool(context, stopping, runs, todo, jobs,
+                                                  summaries, bar, interrupt)
+            finally:
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+            if failure is not None:
+                bar.close()
+                raise failure
     bar.close()
     interrupted = interrupt.requested or any(
         s is None or s["status"] == "interrupted" for s in summaries)
     return summaries, interrupted
+
+
+def _run_in_pool(context, stopping, runs, todo, jobs, summaries, bar, interrupt):
+    """``run_all`` on ``jobs`` worker processes; returns ``(summaries, first exception)``.
+
+    A run that fails stops the others like a Ctrl-C (each checkpoints at the end of its batch),
+    so the error is reported once every worker is done, not behind runs that go on training.
+    """
+    failure = None
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
+                             initargs=(stopping, os.getpid())) as pool:
+        with utils.sigint_ignored():  # the workers start ignoring Ctrl-C
+            futures = {pool.submit(train_planned, runs[i]): i for i in todo}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in done:
+                if future.cancelled():
+                    continue
+                if future.exception() is not None:
+                    failure = failure or future.exception()
+                    continue
+                summaries[futures[future]] = future.result()
+                bar.update()
+            if (interrupt.requested or failure is not None) and not stopping.is_set():
+                # A terminal's Ctrl-C reaches the workers too; `kill -INT <this pid>`
+                # does not: pass it on. Runs not started yet see `stopping` and skip.
+                stopping.set()
+                for future in pending:
+                    future.cancel()
+                for child in multiprocessing.active_children():
+                    os.kill(child.pid, signal.SIGINT)
+    return summaries, failure
 
 
 def _fmt_frames(frames: int | None) -> str:
@@ -368,7 +412,14 @@ def run_compare_command(command: CompareCommand) -> int:
               f"starting {len(runs) - reused - resumed}")
     Path(base.output).mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    summaries, interrupted = run_all(runs, command.jobs)
+    try:
+        summaries, interrupted = run_all(runs, command.jobs)
+    except (RunFolderError, OSError) as err:
+        message = run_error_message(err, Path(getattr(err, "filename", None) or base.output))
+        if message is None:
+            raise
+        print(f"masked-rl compare: error: {message}", file=sys.stderr)
+        return 2
     wall = time.perf_counter() - start
     if interrupted:
         finished = sum(s is not None and s["status"] == "completed" for s in summaries)

@@ -467,6 +467,8 @@ class TrainCommand:
     config: Config
     run_dir: Path
     resume: bool
+    overwrite: bool = False
+    """Replace the finished run ``run_dir`` holds (a fresh run refuses it otherwise)."""
 
 
 CONFIG_FILE = "config.json"
@@ -495,6 +497,41 @@ def read_run_config(run_dir: Path) -> Config:
         raise ValueError(f"{str(path)!r} does not hold a run configuration: {err}") from None
 
 
+def read_checkpoint(path: Path) -> tuple[dict, Config]:
+    """A checkpoint of this recipe and its :class:`Config`; ``ValueError`` (one line, naming
+    the file) for any file that is not one: truncated, another format, other keys."""
+    import torch  # only now: --help and the option checks answer without it
+
+    try:
+        # weights_only: tensors and plain containers, nothing that runs code when loaded.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return state, Config(**state["config"])
+    except Exception as err:  # noqa: BLE001  (any unreadable file is the same user error)
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(f"{str(path)!r} is not a checkpoint of this recipe: "
+                         f"{type(err).__name__}: {first_line}") from None
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be written: another process holds it, or it holds a finished
+    run that a fresh run would replace."""
+
+
+def check_fresh_run_folder(run_dir: Path, overwrite: bool) -> None:
+    """Refuse a fresh run into a folder holding a finished run, unless ``overwrite``."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if overwrite or not path.is_file():
+        return
+    try:
+        status = json.loads(path.read_text()).get("status")
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        status = None  # not a summary this recipe wrote: no finished run to protect
+    if status == "completed":
+        raise RunFolderError(
+            f"{str(run_dir)!r} holds a finished run: pass --overwrite to replace it, --resume "
+            f"{str(run_dir)} --frames N to extend it, or another --output")
+
+
 def train_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog=prog,
@@ -506,6 +543,8 @@ def train_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="RUN_DIR", type=Path, default=argparse.SUPPRESS,
                         help="continue the run in RUN_DIR from its last checkpoint, with its saved "
                         f"options (only {', '.join(map(_flag, RESUME_OPTIONS))} may be given)")
+    parser.add_argument("--overwrite", action="store_true", default=argparse.SUPPRESS,
+                        help="replace the finished run the run folder holds (refused otherwise)")
     add_config_options(parser, Config())
     return parser
 
@@ -515,10 +554,17 @@ def parse_train_command(argv: list[str] | None = None, prog: str | None = None) 
     parser = train_parser(prog)
     given = vars(parser.parse_args(argv))
     resume = given.pop("resume", None)
+    overwrite = given.pop("overwrite", False)
     if resume is None:
         cfg = config_from_options(parser, Config(), given)
         run_dir = cfg.run_dir()
+        try:
+            check_fresh_run_folder(run_dir, overwrite)
+        except ValueError as err:
+            parser.error(str(err))
     else:
+        if overwrite:
+            parser.error("--overwrite starts a fresh run; --resume continues one: give one")
         not_allowed = sorted(set(given) - set(RESUME_OPTIONS))
         if not_allowed:
             parser.error(f"--resume continues a run with its saved options; "
@@ -528,14 +574,19 @@ def parse_train_command(argv: list[str] | None = None, prog: str | None = None) 
             parser.error(f"--resume: {str(run_dir)!r} holds no {CHECKPOINT_FILE}")
         try:
             saved = read_run_config(run_dir)
+            _, checkpointed = read_checkpoint(run_dir / CHECKPOINT_FILE)
         except ValueError as err:
             parser.error(f"--resume: {err}")
+        edited = changed_options(checkpointed, saved)
+        if edited:
+            parser.error(f"--resume: {str(run_dir / CONFIG_FILE)!r} does not match the run's "
+                         f"{CHECKPOINT_FILE} ({', '.join(edited)} differ): was it edited?")
         cfg = config_from_options(parser, saved, given)
     try:
         check_config(cfg, run_dir)
     except ValueError as err:
         parser.error(str(err))
-    return TrainCommand(cfg, Path(run_dir), resume is not None)
+    return TrainCommand(cfg, Path(run_dir), resume is not None, overwrite)
 
 
 DEFAULT_COMPARE_FRAMES = 1_400_000
@@ -684,15 +735,10 @@ def parse_eval_command(argv: list[str] | None = None, prog: str | None = None) -
     if not checkpoint.is_file():
         parser.error(f"{str(path)!r} is neither a run folder with a {CHECKPOINT_FILE} nor a "
                      "checkpoint file")
-    import torch  # only now: --help and the checks above answer without it
-
     try:
-        # weights_only: tensors and plain containers, nothing that runs code when loaded.
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
-        cfg = Config(**state["config"])
-    except Exception as err:  # noqa: BLE001  (any unreadable file is the same user error)
-        parser.error(f"{str(checkpoint)!r} is not a checkpoint of this recipe: "
-                     f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        state, cfg = read_checkpoint(checkpoint)
+    except ValueError as err:
+        parser.error(str(err))
     if args.episodes is not None and args.episodes < 1:
         parser.error(f"--episodes must be >= 1, got {args.episodes}")
     if args.seed is not None and not 0 <= args.seed <= MAX_SEED:

@@ -28,7 +28,9 @@ options, documented in ``config.py``.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import sys
 import time
@@ -54,13 +56,13 @@ if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_t
     from .baselines import TerminalOnlyGAE, ZeroedGAE
     from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, Config,
                          EvalCommand, TrainCommand, changed_options, check_config,
-                         parse_train_command)
+                         RunFolderError, check_fresh_run_folder, parse_train_command)
 else:  # run as a script from this folder: python ppo_tool_use.py
     import utils
     from baselines import TerminalOnlyGAE, ZeroedGAE
     from config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, Config,
                         EvalCommand, TrainCommand, changed_options, check_config,
-                        parse_train_command)
+                        RunFolderError, check_fresh_run_folder, parse_train_command)
 
 SUCCESS_THRESHOLD = 0.9
 """Greedy success rate that counts as solved (``frames_to_threshold`` in the summary)."""
@@ -89,13 +91,16 @@ class Progress:
 # --- the steps of a run ----------------------------------------------------------------------
 
 
-def open_run_dir(run_dir: Path, cfg: Config, resume: bool) -> dict | None:
+def open_run_dir(run_dir: Path, cfg: Config, resume: bool, overwrite: bool = False) -> dict | None:
     """Prepare ``run_dir``; returns the checkpoint to resume from (``None`` for a fresh run).
 
     No summary stays from an earlier attempt: one appears only when this run completes or is
-    interrupted. A fresh run also drops the folder's earlier checkpoint and logs.
+    interrupted. A fresh run also drops the folder's earlier checkpoint and logs; it refuses a
+    folder holding a finished run unless ``overwrite`` (``RunFolderError``).
     """
     checkpoint = None
+    if not resume:
+        check_fresh_run_folder(run_dir, overwrite)
     if resume:
         checkpoint = torch.load(run_dir / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
         changed = changed_options(Config(**checkpoint["config"]), cfg)
@@ -359,12 +364,16 @@ def write_summary(run_dir: Path, cfg: Config, progress: Progress, status: str) -
 # --- the run ---------------------------------------------------------------------------------
 
 
-def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> dict:
+def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False,
+          overwrite: bool = False) -> dict:
     """Train one PPO agent; returns the summary also written to ``<run_dir>/summary.json``.
 
     ``run_dir`` defaults to ``cfg.run_dir()``. The summary's ``"status"`` is ``"completed"``,
     or ``"interrupted"`` after a SIGINT (the run stops at the end of the batch it is in and
     checkpoints there). Checkpoints are also written, atomically, at every evaluation.
+
+    One process at a time writes a run folder (``RunFolderError`` naming the holder's pid
+    otherwise); a fresh run refuses a folder holding a finished run unless ``overwrite``.
 
     With ``resume``, the run continues from ``<run_dir>/checkpoint.pt`` (``cfg`` must be the
     run's configuration, up to ``RUNTIME_FIELDS``). With ``workers == 1`` the continuation is
@@ -373,14 +382,20 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
     optimizer, the torch, NumPy and Python generators, every environment mid-episode and the
     collector's current observation, the frame counters and the evaluation history, and the CSV
     log is cut back to the checkpoint. Not bit-exact: ``workers > 1`` (the environments live in
-    the worker processes, so a resumed run starts fresh episodes, seeded from the frame count);
+    the worker processes, so a resumed run starts fresh episodes, seeded from the frame count,
+    and drops the unfinished episodes that ``CompleteEpisodes`` held back);
     a CUDA device, whose kernels are not all deterministic; a different thread count (the order
     of floating-point sums); timings; other logger backends, which keep what was logged after
     the checkpoint.
     """
     run_dir = Path(run_dir) if run_dir is not None else cfg.run_dir()
     check_config(cfg, run_dir)
-    checkpoint = open_run_dir(run_dir, cfg, resume)
+    with utils.run_folder_lock(run_dir):  # one writer per folder
+        return _train(cfg, run_dir, open_run_dir(run_dir, cfg, resume, overwrite))
+
+
+def _train(cfg: Config, run_dir: Path, checkpoint: dict | None) -> dict:
+    """:func:`train`, in a folder opened and locked."""
     started = time.perf_counter()
 
     # Seeding, networks, loss, optimizer.
@@ -403,6 +418,11 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
         for name, part in stateful.items():
             part.load_state_dict(checkpoint[name])
         progress = Progress(**checkpoint["progress"])
+        if checkpoint["collector"] is None:
+            # A multi-process collector restarts its environments on fresh episodes: the
+            # held-back fragments would be joined onto them, their actions credited with the
+            # new episodes' rewards.
+            complete.reset()
     wall_time_before = progress.wall_time_s
 
     # Collector (none left to build when resuming a finished run), replay buffer, logger.
@@ -487,7 +507,15 @@ def train(cfg: Config, *, run_dir: Path | None = None, resume: bool = False) -> 
 def run_train_command(command: TrainCommand) -> int:
     """Run ``masked-rl train``; returns the exit status (130 when interrupted)."""
     cfg = command.config
-    summary = train(cfg, run_dir=command.run_dir, resume=command.resume)
+    try:
+        summary = train(cfg, run_dir=command.run_dir, resume=command.resume,
+                        overwrite=command.overwrite)
+    except (RunFolderError, OSError) as err:
+        message = run_error_message(err, command.run_dir)
+        if message is None:
+            raise
+        print(f"masked-rl train: error: {message}", file=sys.stderr)
+        return 2
     solved = summary["frames_to_threshold"]
     print(
         f"{cfg.estimator} GAE, seed {cfg.seed}: final greedy success "
@@ -501,6 +529,19 @@ def run_train_command(command: TrainCommand) -> int:
               f"continue with: masked-rl train --resume {summary['run_dir']}", file=sys.stderr)
         return 130
     return 0
+
+
+def run_error_message(err: Exception, run_dir: Path) -> str | None:
+    """The one line a user needs for an error that stops a run: another writer holds its folder,
+    or the disk is full (the atomic writes keep the last checkpoint whole; resume from it).
+    ``None`` for anything else, a bug whose traceback should show."""
+    if isinstance(err, RunFolderError):
+        return str(err)
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{os.strerror(err.errno)} while writing to {str(run_dir)!r}: the last "
+                f"checkpoint there is intact; free some space and continue with "
+                f"masked-rl train --resume {run_dir}")
+    return None
 
 
 def run_eval_command(command: EvalCommand) -> int:

@@ -7,6 +7,7 @@ import os
 import pickle
 import random
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,8 +27,10 @@ from masked_rl import SkipMaskedSteps
 from masked_rl_envs import ToolUseBatchedEnv, make_torchrl_env
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
+    from .config import RunFolderError
     from .encoders import AttentionWindowEncoder
 else:  # run as a script from this folder
+    from config import RunFolderError
     from encoders import AttentionWindowEncoder
 
 
@@ -62,12 +65,11 @@ def make_env(env_id: str, num_envs: int, device: str = "cpu", *, backend: str = 
 
 
 def episode_step_limit(env_id: str, **env_kwargs) -> int:
-    """The most steps an episode of ``env_id`` can take (its ``max_steps``)."""
-    env = gym.make(env_id, **env_kwargs)
-    try:
-        return int(env.unwrapped.max_steps)
-    finally:
-        env.close()
+    """The most steps an episode of ``env_id`` can take: its registered ``max_episode_steps``
+    (gymnasium's TimeLimit), or the ``max_steps`` that ``env_kwargs`` override it with."""
+    if "max_steps" in env_kwargs:
+        return int(env_kwargs["max_steps"])
+    return int(gym.spec(env_id.rpartition(":")[2]).max_episode_steps)
 
 
 # --- networks ------------------------------------------------------------------------------
@@ -277,7 +279,8 @@ class StopOnInterrupt:
     def __exit__(self, *exc_info):
         if self._installed:
             # None: a handler not installed from Python; the closest is Python's default.
-            signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
+            signal.signal(signal.SIGINT, signal.default_int_handler if self._previous is None
+                          else self._previous)
             self._installed = False
 
 
@@ -298,7 +301,60 @@ def sigint_ignored():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous or signal.default_int_handler)
+        # None: a handler not installed from Python; the closest is Python's default. (Not
+        # `previous or ...`: SIG_DFL is 0, falsy.)
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+
+
+LOCK_FILE = ".lock"
+"""The file in a run folder that :func:`run_folder_lock` locks and writes its holder's pid in."""
+
+
+@contextmanager
+def run_folder_lock(run_dir: Path):
+    """Hold ``run_dir`` for this process while the block runs; ``RunFolderError`` naming the
+    folder and the holder's pid if another process (or another ``train`` in this one) holds it.
+
+    ``fcntl.flock`` on ``<run_dir>/.lock``: the kernel drops the lock when its holder exits,
+    however it exits (a SIGKILL included), so no stale lock outlives a crash.
+    """
+    import fcntl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK_FILE, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise RunFolderError(f"{str(run_dir)!r} is in use by another run (pid {holder}): "
+                                 "wait for it to end, or use another --output") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        try:
+            yield
+        finally:
+            lock.truncate(0)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel send this process SIGTERM when its parent ends, however it ends.
+
+    Linux's ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing (the parent's SIGTERM handler still
+    ends its workers). Exits at once if the parent is already gone.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before the call above
+        os._exit(1)
 
 
 def _replace_atomically(path: Path, write) -> None:

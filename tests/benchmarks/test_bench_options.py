@@ -21,3 +21,25 @@ def test_unwritable_out_is_refused_before_the_benchmark_runs(capsys, tmp_path):
         bench.main(["--out", str(a_file / "results")])
     assert exit_info.value.code == 2
     assert f"--out: '{a_file}' is a file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, argv, message", [
+    ("bench", ["--gamma", "1.5"], "--gamma must be in [0, 1], got 1.5"),
+    ("bench", ["--lmbda", "nan"], "--lmbda must be in [0, 1], got nan"),
+    ("bench-cp", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
+    ("bench-cp", ["--cp", "2", "--shapes", "2x1"],
+     "--shapes 2x1: --cp 2 with --layout zigzag cuts each row into 4 chunks, so rows need at "
+     "least 4 steps, got 1"),
+    ("bench-cp", ["--cp", "3", "--layout", "contiguous", "--shapes", "4x2"],
+     "rows need at least 3 steps, got 2"),
+])
+def test_bad_bench_options_are_one_line_errors_before_anything_starts(capsys, tmp_path, command,
+                                                                      argv, message):
+    from masked_rl_examples.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *argv, "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err and not (tmp_path / "out").exists()

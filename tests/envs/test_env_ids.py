@@ -119,3 +119,45 @@ def test_torchrl_rollout_on_a_long_id():
 def test_kwargs_are_exported():
     assert {"CLOSING64_KWARGS", "LONG64_KWARGS", "LONG256_KWARGS"} <= set(masked_rl_envs.__all__)
     assert ToolUseEnv(**LONG256_KWARGS).grammar.response_len == 256
+
+
+ALL_IDS = ["MaskedRL/ToolUse-v0", "MaskedRL/ToolUseHard-v0", "MaskedRL/ToolUseClosing64-v0",
+           "MaskedRL/ToolUseLong64-v0", "MaskedRL/ToolUseLong256-v0"]
+
+
+@pytest.mark.parametrize("env_id", ALL_IDS)
+def test_ids_registered_with_their_step_budget_as_time_limit(env_id):
+    import inspect
+
+    spec = gym.spec(env_id)
+    budget = spec.kwargs.get("max_steps", inspect.signature(ToolUseEnv).parameters["max_steps"].default)
+    assert spec.max_episode_steps == budget
+    env = gym.make(env_id)
+    assert isinstance(env, gym.wrappers.TimeLimit) or any(
+        isinstance(w, gym.wrappers.TimeLimit) for w in _wrappers(env))
+    assert env.unwrapped.max_steps == spec.max_episode_steps
+
+
+def _wrappers(env):
+    while isinstance(env, gym.Wrapper):
+        yield env
+        env = env.env
+
+
+@pytest.mark.parametrize("backend", ["gym", "batched"])
+def test_episodes_that_never_answer_truncate_at_the_budget_with_an_override(backend):
+    """The TimeLimit follows a ``max_steps`` override (it would cut at the id's 80 steps) and
+    the gym and batched backends end a never-answering episode at the same step."""
+    import torch
+
+    budget = 120
+    env = masked_rl_envs.make_torchrl_env("MaskedRL/ToolUse-v0", num_envs=2, backend=backend,
+                                          max_steps=budget, seed=0)
+    # Action 0 (<pad>) at every agent step: a malformed turn each time, never an answer.
+    rollout = env.rollout(budget + 5, lambda td: td.set("action", torch.zeros(td.batch_size, dtype=torch.int64)),
+                          break_when_any_done=False)
+    done = rollout["next", "done"].squeeze(-1)
+    first = done.int().argmax(-1)
+    assert done.any(-1).all() and (first + 1).tolist() == [budget, budget]
+    assert rollout["next", "truncated"].squeeze(-1)[0, budget - 1]
+    assert not rollout["next", "terminated"].squeeze(-1)[0, budget - 1]

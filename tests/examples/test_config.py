@@ -113,9 +113,13 @@ def test_unwritable_output_is_an_error(capsys, tmp_path):
 def test_resume_errors(capsys, tmp_path):
     err = one_line_error(capsys, parse_train_command, ["--resume", str(tmp_path)])
     assert f"--resume: '{tmp_path}' holds no checkpoint.pt" in err
-    (tmp_path / "checkpoint.pt").write_bytes(b"")
-    (tmp_path / "config.json").write_text(json.dumps({"frames": 1024, "num_envs": 8,
-                                                      "frames_per_batch": 512}))
+    import dataclasses
+
+    import torch
+
+    saved = {"frames": 1024, "num_envs": 8, "frames_per_batch": 512}
+    torch.save({"config": dataclasses.asdict(Config(**saved))}, tmp_path / "checkpoint.pt")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
     err = one_line_error(capsys, parse_train_command, ["--resume", str(tmp_path), "--lr", "1"])
     assert "--resume continues a run with its saved options; --lr cannot be changed" in err
     command = parse_train_command(["--resume", str(tmp_path), "--no-progress-bar",

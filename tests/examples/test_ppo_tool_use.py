@@ -201,7 +201,7 @@ def test_crash_while_checkpointing_keeps_the_last_checkpoint_and_resume_goes_on_
     cfg = Config(**RESUME_CONFIG, output=str(tmp_path))
     run_dir = cfg.run_dir()
     run_dir.mkdir(parents=True)
-    (run_dir / "summary.json").write_text('{"status": "completed"}')  # an earlier run's
+    (run_dir / "summary.json").write_text('{"status": "interrupted"}')  # an earlier run's
     real_save = torch.save
     saves = []
 
@@ -220,7 +220,7 @@ def test_crash_while_checkpointing_keeps_the_last_checkpoint_and_resume_goes_on_
     checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=True)
     assert checkpoint["progress"]["frames"] == 2048
     assert sorted(p.name for p in run_dir.iterdir() if p.is_file()) == [
-        "checkpoint.pt", "config.json"]  # no temporary file, no stale summary
+        ".lock", "checkpoint.pt", "config.json"]  # no temporary file, no stale summary
     loss_log = (run_dir / "scalars" / "train" / "loss_objective.csv").read_text()
     assert loss_log.splitlines()[-1].startswith("3072,")
     recipe.train(cfg, resume=True)

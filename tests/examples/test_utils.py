@@ -108,13 +108,21 @@ def test_stop_on_interrupt_turns_sigint_into_a_flag():
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_processes_started_under_sigint_ignored_ignore_it():
+@pytest.mark.parametrize("handler", [lambda signum, frame: None, signal.SIG_DFL],
+                         ids=["python-handler", "SIG_DFL"])
+def test_processes_started_under_sigint_ignored_ignore_it(handler):
+    """Whatever SIGINT handler the suite runs under (nohup and background jobs start it
+    ignored), the block ignores SIGINT in its children and restores the handler it found."""
     code = "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"
-    with utils.sigint_ignored():
-        child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                               check=True)
-    assert child.stdout.strip() == "True"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    suite_handler = signal.signal(signal.SIGINT, handler)  # not ignored: the block must ignore it
+    try:
+        with utils.sigint_ignored():
+            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   check=True)
+        assert child.stdout.strip() == "True"
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, suite_handler)
 
 
 def test_evaluate_runs_the_actor_on_agent_steps_only_with_the_same_greedy_episodes():
