@@ -13,14 +13,18 @@ length):
   ``<|im_start|>``, ``<|im_end|>`` (the end-of-turn token, also the tokenizer's ``eos_token``,
   so generation stops at the end of an assistant turn);
 - template words: the roles ``system``, ``user``, ``assistant``, ``tool`` and ``"\\n"``;
-- task words, each with its trailing space (``"lookup "``, ``"k3 "``): ``lookup``, ``answer``,
-  ``error``, the keys ``k0 ...``, the values ``v0 ...`` and the filler words ``w0 ...``.
+- task words: ``lookup``, ``answer``, ``error``, the keys ``k0 ...``, the values ``v0 ...`` and
+  the filler words ``w0 ...``, stored SentencePiece-style with a leading ``"▁"`` (the ``tokenizers``
+  ``Metaspace`` pre-tokenizer and decoder).
 
-Task words carry their trailing space and the decoder concatenates tokens, so ``decode`` then
-re-encoding returns the same ids for *any* id sequence (no pad/unk): TorchRL's wrapper decodes
-generated tokens to text, parses the text into a ``History`` and re-applies the chat template, and
-the scoring pass must see the tokens that were sampled. Message contents are therefore written
-word by word with a trailing space (``"lookup k2 "``); :func:`words` joins them.
+A message content is its words joined by single spaces (``"lookup k2"``; :func:`words`). The
+decoder writes a space before each task word and TorchRL strips message contents when it parses
+decoded text back into a ``History``, so generated content tokens survive TorchRL's
+decode -> parse -> re-template -> re-encode round trip, and the scoring pass sees the tokens that
+were sampled, provided generation only emits task words and ``<|im_end|>``: pass
+:func:`suppressed_token_ids` to generation (``TransformersWrapper(generate_kwargs=
+{"bad_words_ids": [[i] for i in suppressed_token_ids(tokenizer)]})``; the wrapper drops
+``suppress_tokens``).
 
 The chat template is TorchRL's ``chatml_format`` (imported, not copied), which wraps assistant
 content in ``{% generation %}`` blocks so ``return_assistant_tokens_mask=True`` works.
@@ -30,7 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["make_tokenizer", "make_model", "words", "task_words", "CHAT_TEMPLATE_NAME"]
+__all__ = [
+    "make_tokenizer", "make_model", "words", "task_words", "suppressed_token_ids",
+    "CHAT_TEMPLATE_NAME",
+]
 
 CHAT_TEMPLATE_NAME = "chatml_format"
 _SPECIAL = ("<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
@@ -62,12 +69,27 @@ def task_words(n_keys: int = 8, n_values: int = 8, n_filler: int = 4) -> list[st
 
 
 def words(tokens: Iterable[str]) -> str:
-    """A message content in the tokenizer's convention: each word followed by one space.
+    """A message content in the tokenizer's convention: words joined by single spaces.
 
     >>> words(["lookup", "k2"])
-    'lookup k2 '
+    'lookup k2'
     """
-    return "".join(f"{t} " for t in tokens)
+    return " ".join(tokens)
+
+
+def suppressed_token_ids(tokenizer) -> list[int]:
+    """Ids an assistant turn should never sample: everything but task words and ``<|im_end|>``.
+
+    Pad, unknown, ``<|im_start|>``, the roles and ``"\\n"`` inside generated content would not
+    survive TorchRL's decode -> parse -> re-encode round trip (or would read as padding).
+
+    >>> suppressed_token_ids(make_tokenizer())
+    [0, 1, 2, 4, 5, 6, 7, 8]
+    """
+    keep = {tokenizer.eos_token_id} | {
+        i for t, i in tokenizer.get_vocab().items() if t.startswith("\u2581")
+    }
+    return sorted(i for i in range(len(tokenizer)) if i not in keep)
 
 
 def make_tokenizer(n_keys: int = 8, n_values: int = 8, n_filler: int = 4):
@@ -88,29 +110,27 @@ def make_tokenizer(n_keys: int = 8, n_values: int = 8, n_filler: int = 4):
         >>> tok = make_tokenizer()
         >>> len(tok), tok.pad_token_id, tok.eos_token
         (32, 0, '<|im_end|>')
+        >>> chat = [{"role": "user", "content": "k2 k0"}, {"role": "assistant", "content": "lookup k2"}]
         >>> out = tok.apply_chat_template(
-        ...     [{"role": "user", "content": "k2 k0 "}, {"role": "assistant", "content": "lookup k2 "}],
-        ...     tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ...     chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         >>> tok.convert_ids_to_tokens(out["input_ids"])[-5:], out["assistant_masks"][-5:]
-        (['\\n', 'lookup ', 'k2 ', '<|im_end|>', '\\n'], [0, 1, 1, 0, 0])
-        >>> tok.decode(out["input_ids"]) == tok.apply_chat_template(
-        ...     [{"role": "user", "content": "k2 k0 "}, {"role": "assistant", "content": "lookup k2 "}],
-        ...     tokenize=False)
-        True
+        (['\\n', '▁lookup', '▁k2', '<|im_end|>', '\\n'], [0, 1, 1, 0, 0])
+        >>> from torchrl.data.llm import History
+        >>> list(History.from_text(tok.decode(out["input_ids"]), chat_template_name="chatml_format").content)
+        ['k2 k0', 'lookup k2']
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from torchrl.data.llm.history import _CHAT_TEMPLATES
     from transformers import PreTrainedTokenizerFast
 
-    task = [f"{w} " for w in task_words(n_keys, n_values, n_filler)]
+    task = [f"\u2581{w}" for w in task_words(n_keys, n_values, n_filler)]
     vocab = {t: i for i, t in enumerate((*_SPECIAL, *_TEMPLATE_WORDS, *task))}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    # A piece is a run of non-blank characters with at most one trailing space, or a newline.
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^ \n]+ ?"), behavior="isolated")
-    backend.decoder = decoders.Fuse()  # concatenate: the spaces live inside the tokens
+    metaspace = {"replacement": "\u2581", "prepend_scheme": "always", "split": True}
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(**metaspace)
+    backend.decoder = decoders.Metaspace(**metaspace)
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIAL])
-    # Roles and "\n" are added (matched anywhere) so that "user" glued to a following word still
-    # splits: any generated id sequence survives decode -> re-encode.
+    # Roles and "\n" are added tokens: the template glues them to their neighbours.
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in _TEMPLATE_WORDS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
