@@ -87,22 +87,28 @@ class ChatToolUseTransform(ToolTransformBase):
 
     Args:
         config: the :class:`ChatToolUseConfig`.
-        seed: seed of the episode generator (re-seeded by ``env.set_seed``).
+        seed: seed of the episode generator.
+        group_size: consecutive rows that share one task (table and queried keys), as a
+            group-relative advantage (GRPO) needs; the batch size must be a multiple of it.
     """
 
-    def __init__(self, config: ChatToolUseConfig, seed: int = 0):
+    def __init__(self, config: ChatToolUseConfig, seed: int = 0, group_size: int = 1):
         super().__init__()
         self.config = config
+        self.group_size = group_size
         self._rng = np.random.default_rng(seed)
         self._tables = None
 
     # -- episode state -------------------------------------------------------------------
     def _new_episodes(self, batch: int):
         cfg = self.config
-        self._tables = self._rng.integers(0, cfg.n_values, size=(batch, cfg.n_keys))
-        self._queries = np.stack(
-            [self._rng.permutation(cfg.n_keys)[: cfg.n_queries] for _ in range(batch)]
+        tasks = batch // self.group_size
+        tables = self._rng.integers(0, cfg.n_values, size=(tasks, cfg.n_keys))
+        queries = np.stack(
+            [self._rng.permutation(cfg.n_keys)[: cfg.n_queries] for _ in range(tasks)]
         )
+        self._tables = np.repeat(tables, self.group_size, axis=0)
+        self._queries = np.repeat(queries, self.group_size, axis=0)
         self._turns = np.zeros(batch, np.int64)
         self._calls = np.zeros(batch, np.int64)  # tool messages, results and errors
         self._lookups = np.zeros(batch, np.int64)  # lookups served, against the quota
@@ -110,8 +116,12 @@ class ChatToolUseTransform(ToolTransformBase):
         self._done = np.zeros(batch, bool)
         self._success = np.zeros(batch, bool)
 
-    def set_seed(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
+    def generator_state(self) -> dict:
+        """The episode generator's state (a checkpoint resumes the same task stream)."""
+        return self._rng.bit_generator.state
+
+    def set_generator_state(self, state: dict) -> None:
+        self._rng.bit_generator.state = state
 
     @property
     def tables(self) -> np.ndarray:
@@ -221,6 +231,7 @@ def make_chat_tool_use_env(
     *,
     tokenizer=None,
     seed: int = 0,
+    group_size: int = 1,
 ) -> TransformedEnv:
     """
     Answer questions about a hidden key-value table that only a lookup tool can read, as a chat.
@@ -263,7 +274,7 @@ def make_chat_tool_use_env(
 
     ## Starting State
     The user message ``"<q_1> ... <q_n>"``. Tables, queried keys and filler words are drawn
-    from the transform's generator (``seed``, or ``env.set_seed``).
+    from the transform's generator (``seed``; ``env.transform.generator_state()``).
 
     ## Rewards
     ``("next", "reward")`` ``[B, 1]`` after each assistant turn:
@@ -289,6 +300,7 @@ def make_chat_tool_use_env(
     - ``tokenizer``: optional; checked to hold every word the task writes or reads (the
       vocabulary of :func:`~masked_rl_envs.llm_factories.make_tokenizer`).
     - ``seed``: the episode generator's seed.
+    - ``group_size``: consecutive rows sharing one task (GRPO's groups); divides ``batch_size``.
 
     Example:
         >>> from tensordict import TensorDict
@@ -310,6 +322,12 @@ def make_chat_tool_use_env(
     config = ChatToolUseConfig() if config is None else config
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or (
+        batch_size % group_size
+    ):
+        raise ValueError(
+            f"group_size must be a positive divisor of batch_size={batch_size}, got {group_size!r}"
+        )
     if tokenizer is not None:
         vocab = tokenizer.get_vocab()
         missing = [w for w in task_words(config.n_keys, config.n_values, config.n_filler)
@@ -326,4 +344,4 @@ def make_chat_tool_use_env(
         tokenizer=tokenizer,
         template_kwargs={"chat_template_name": CHAT_TEMPLATE_NAME},
     )
-    return TransformedEnv(base, ChatToolUseTransform(config, seed=seed))
+    return TransformedEnv(base, ChatToolUseTransform(config, seed=seed, group_size=group_size))

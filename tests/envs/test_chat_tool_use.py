@@ -215,3 +215,22 @@ def test_importing_the_packages_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_groups_share_a_task_and_the_generator_state_resumes_the_stream():
+    env = make_chat_tool_use_env(6, seed=7, group_size=3)
+    env.reset()
+    tr = env.transform
+    for rows in (slice(0, 3), slice(3, 6)):
+        assert (tr.tables[rows] == tr.tables[rows][:1]).all()
+        assert (tr.queries[rows] == tr.queries[rows][:1]).all()
+    assert not ((tr.tables[0] == tr.tables[3]).all() and (tr.queries[0] == tr.queries[3]).all())
+    state = tr.generator_state()
+    env.reset()
+    expected = tr.tables.copy()
+    other = make_chat_tool_use_env(6, seed=123, group_size=3)
+    other.transform.set_generator_state(state)
+    other.reset()
+    assert (other.transform.tables == expected).all()
+    with pytest.raises(ValueError, match="group_size must be a positive divisor of batch_size=6"):
+        make_chat_tool_use_env(6, group_size=4)
