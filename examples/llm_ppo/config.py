@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, _flag, check_device,
@@ -130,7 +130,8 @@ class LLMConfig:
 
 
 RUNTIME_FIELDS = ("output", "threads", "progress_bar", "device", "tokens")
-"""Fields a resumed run may change (``tokens`` only upward: it extends the run)."""
+"""Fields a resumed run may change (a larger ``tokens`` extends a finished run, a smaller one
+ends an interrupted run sooner)."""
 
 
 def _choice(name, value, choices):
@@ -241,9 +242,6 @@ def parse_llm_train_command(argv=None, prog=None) -> LLMTrainCommand:
             saved = read_run_config(run_dir)
         except ValueError as err:
             parser.error(f"--resume: {err}")
-        if "tokens" in given and given["tokens"] < saved.tokens:
-            parser.error(f"--tokens can only grow on --resume (saved: {saved.tokens}), got "
-                         f"{given['tokens']}")
         cfg = _overlay(parser, saved, given)
     _check_outside(parser, cfg, run_dir)
     return LLMTrainCommand(cfg, Path(run_dir), resume is not None)
@@ -284,6 +282,3 @@ def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
     _check_outside(parser, base, Path(base.output))
     return LLMCompareCommand(base, list(seeds), estimators)
 
-
-def config_dict(cfg: LLMConfig) -> dict:
-    return asdict(cfg)
