@@ -253,7 +253,8 @@ def _history_turn_ends(data: TensorDictBase, history_key: NestedKey, tokens: Ten
     counts = closing.sum(-1).tolist()
     flags = torch.zeros_like(closing)
     for row in range(tokens.shape[0]):
-        roles = list(history[row].role)
+        # "<none>" pads a batch of histories (TorchRL's placeholder; the template drops it)
+        roles = [role for role in history[row].role if role != "<none>"]
         if counts[row] != len(roles):
             raise ValueError(
                 f"row {row}: its history has {len(roles)} messages but its tokens hold "
