@@ -1,4 +1,5 @@
-"""The ``masked-rl`` command line: ``train``, ``compare``, ``eval`` and ``bench``.
+"""The ``masked-rl`` command line: ``train``, ``compare``, ``eval``, ``bench`` and the ``llm-*``
+commands.
 
 Each command parses and checks its options with a torch-free module first and imports the
 code that runs it (torch, TorchRL, the environments) only then: ``--help`` and option errors
@@ -56,6 +57,33 @@ def _bench_cp(argv: list[str]) -> int:
     return run(args)
 
 
+def _llm_train(argv: list[str]) -> int:
+    from masked_rl_examples.llm_ppo.config import parse_llm_train_command
+
+    command = parse_llm_train_command(argv, prog="masked-rl llm-train")
+    from masked_rl_examples.llm_ppo.llm_ppo import run_llm_train_command
+
+    return run_llm_train_command(command)
+
+
+def _llm_compare(argv: list[str]) -> int:
+    from masked_rl_examples.llm_ppo.config import parse_llm_compare_command
+
+    command = parse_llm_compare_command(argv, prog="masked-rl llm-compare")
+    from masked_rl_examples.llm_ppo.compare import run_llm_compare_command
+
+    return run_llm_compare_command(command)
+
+
+def _llm_bench(argv: list[str]) -> int:
+    from masked_rl_benchmarks.llm import parse_llm_bench_args
+
+    args = parse_llm_bench_args(argv, prog="masked-rl llm-bench")
+    from masked_rl_benchmarks.llm import run
+
+    return run(args)
+
+
 _COMMANDS = {
     "train": (_train, "train PPO on a toy tool-use environment (masked or plain GAE); "
                       "--resume RUN_DIR continues an interrupted run"),
@@ -64,6 +92,12 @@ _COMMANDS = {
     "eval": (_eval, "greedy success of a trained checkpoint over seeded episodes"),
     "bench": (_bench, "time masked GAE against the alternatives: table, CSV and JSON"),
     "bench-cp": (_bench_cp, "context-parallel masked GAE vs rebuilding full rows, on N gloo ranks"),
+    "llm-train": (_llm_train, "token-level PPO with masked GAE (or GRPO, plain token GAE) for a "
+                              "tiny causal LM on the chat tool-use task (TorchRL LLM stack)"),
+    "llm-compare": (_llm_compare, "masked PPO vs GRPO vs plain token GAE over seeds: table, CSV "
+                                  "and PNG (re-run to resume)"),
+    "llm-bench": (_llm_bench, "tokens per second of a PPO iteration against a GRPO iteration, "
+                              "and the estimator's share"),
 }
 
 

@@ -1,0 +1,284 @@
+"""Options of ``masked-rl llm-train`` and ``masked-rl llm-compare``, parsed and checked.
+
+This module imports neither torch nor TorchRL nor transformers, so ``--help`` and every option
+error come back at once; the commands import the training code only after parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, _flag, check_device,
+                                                    check_writable_folder)
+
+ESTIMATORS = ("masked", "grpo", "plain")
+LOGGERS = ("csv", "none")
+MAX_SEED = 2**32 - 1
+CONFIG_FILE = "config.json"
+CHECKPOINT_FILE = "checkpoint.pt"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """Every option of one ``masked-rl llm-train`` run (``--help`` lists them as flags)."""
+
+    # --- run ---------------------------------------------------------------------------------
+    estimator: str = "masked"
+    """``masked``: masked GAE over the assistant tokens (masked_rl.llm: adapter, token critic,
+    MaskedGAE, TokenPPOLoss); ``grpo``: TorchRL's GRPOLoss with the group-relative advantage
+    (``group_size`` samples of each task); ``plain``: TorchRL's GAE with every token a
+    transition (prompt, tool and template tokens included), same critic and loss as masked."""
+    tokens: int = 400_000
+    """Budget in sampled tokens (every generated token, end-of-turn tokens included; whole
+    batches, so a run may end a batch past it)."""
+    seed: int = 0
+    """Seed of the model's initialisation, torch's sampling and the training tasks."""
+    device: str = "cpu"
+    output: str = "runs/llm_ppo"
+    """Parent folder of the run folder ``<estimator>-seed<seed>``."""
+    threads: int | None = 1
+    """torch intra-op threads (None: torch's default). One is fastest for these tiny models (4x
+    faster than two on a loaded 2-core machine)."""
+    progress_bar: bool = True
+    logger: str = "csv"
+
+    # --- task (masked_rl_envs.chat_tool_use) ---------------------------------------------------
+    n_keys: int = 4
+    n_values: int = 4
+    n_queries: int = 2
+    response_len: int = 8
+    """Words per tool message."""
+    max_turns: int = 5
+    lookup_reward: float = 0.1
+    partial_credit: bool = True
+
+    # --- model (masked_rl_envs.llm_factories) --------------------------------------------------
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    max_new_tokens: int = 4
+    """Tokens an assistant turn may generate (``answer v v`` plus ``<|im_end|>`` fits 4)."""
+    temperature: float = 1.0
+
+    # --- optimisation --------------------------------------------------------------------------
+    episodes_per_batch: int = 64
+    """Episodes per iteration (rollout, estimate, update)."""
+    group_size: int = 8
+    """grpo: samples of each task per batch (the group of the group-relative advantage);
+    episodes_per_batch / group_size distinct tasks per batch. Other estimators: 1."""
+    epochs: int = 4
+    minibatch_size: int = 32
+    """Episodes per gradient step."""
+    lr: float = 1e-3
+    max_grad_norm: float = 1.0
+    clip_epsilon: float = 0.2
+    entropy_coeff: float = 0.0
+    critic_coeff: float = 0.5
+    gamma: float = 1.0
+    lmbda: float = 0.95
+    eval_every: int = 20_000
+    """Sampled tokens between greedy evaluations and checkpoints."""
+    eval_episodes: int = 128
+
+    def __post_init__(self):
+        _choice("estimator", self.estimator, ESTIMATORS)
+        _choice("logger", self.logger, LOGGERS)
+        for name, low in (("tokens", 1), ("n_keys", 1), ("n_values", 1), ("n_queries", 1),
+                          ("response_len", 2), ("max_turns", 1), ("hidden_size", 4),
+                          ("num_layers", 1), ("num_heads", 1), ("max_new_tokens", 1),
+                          ("episodes_per_batch", 1), ("group_size", 1), ("epochs", 1),
+                          ("minibatch_size", 1), ("eval_every", 1), ("eval_episodes", 1)):
+            _int(name, getattr(self, name), low)
+        _int("seed", self.seed, 0, MAX_SEED)
+        if self.threads is not None:
+            _int("threads", self.threads, 1)
+        for name, low, high, low_open in (("lookup_reward", 0, math.inf, False),
+                                          ("temperature", 0, math.inf, True),
+                                          ("lr", 0, math.inf, True),
+                                          ("max_grad_norm", 0, math.inf, True),
+                                          ("clip_epsilon", 0, math.inf, False),
+                                          ("entropy_coeff", 0, math.inf, False),
+                                          ("critic_coeff", 0, math.inf, False),
+                                          ("gamma", 0, 1, False), ("lmbda", 0, 1, False)):
+            _float(name, getattr(self, name), low, high, low_open)
+        if self.n_queries > self.n_keys:
+            raise ValueError(f"n_queries must be <= n_keys={self.n_keys}, got {self.n_queries}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size must be divisible by num_heads={self.num_heads}, "
+                             f"got {self.hidden_size}")
+        if self.estimator == "grpo":
+            if self.group_size < 2:
+                raise ValueError(f"group_size must be >= 2 for grpo (a group-relative "
+                                 f"advantage needs a group), got {self.group_size}")
+            if self.episodes_per_batch % self.group_size:
+                raise ValueError(
+                    f"episodes_per_batch must be a multiple of group_size={self.group_size} "
+                    f"for grpo, got {self.episodes_per_batch}")
+
+    @property
+    def batch_group_size(self) -> int:
+        """Samples per task in a training batch: ``group_size`` for grpo, else 1."""
+        return self.group_size if self.estimator == "grpo" else 1
+
+    def run_dir(self) -> Path:
+        return Path(self.output) / f"{self.estimator}-seed{self.seed}"
+
+
+RUNTIME_FIELDS = ("output", "threads", "progress_bar", "device", "tokens")
+"""Fields a resumed run may change (a larger ``tokens`` extends a finished run, a smaller one
+ends an interrupted run sooner)."""
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _int(name, value, low, high=None):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        expected = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
+
+
+def _float(name, value, low, high, low_open):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or (value <= low if low_open else value < low) or value > high:
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        expected = f"a finite number {bound}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise ValueError(f"{name} must be {expected}, got {value}")
+
+
+def changed_options(saved: LLMConfig, cfg: LLMConfig) -> list[str]:
+    return [f.name for f in fields(LLMConfig)
+            if f.name not in RUNTIME_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)]
+
+
+def read_run_config(run_dir: Path) -> LLMConfig:
+    path = Path(run_dir) / CONFIG_FILE
+    try:
+        return LLMConfig(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ValueError(f"{str(run_dir)!r} is not a run folder: it has no {CONFIG_FILE}") from None
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{str(path)!r} does not hold an llm-train configuration: {err}") from None
+
+
+def add_options(parser: argparse.ArgumentParser, defaults: LLMConfig, skip=()) -> None:
+    """One option per :class:`LLMConfig` field, without argparse defaults (only the given
+    options are overlaid onto ``defaults``)."""
+    for field in fields(LLMConfig):
+        if field.name in skip:
+            continue
+        default = getattr(defaults, field.name)
+        help_text = f"(default: {default})"
+        if isinstance(default, bool):
+            parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        elif field.name in ("estimator", "logger"):
+            parser.add_argument(_flag(field.name), default=argparse.SUPPRESS, help=help_text,
+                                choices=ESTIMATORS if field.name == "estimator" else LOGGERS)
+        else:
+            kind = int if field.name == "threads" else type(default)
+            parser.add_argument(_flag(field.name), type=kind, default=argparse.SUPPRESS,
+                                help=help_text, metavar=field.name.upper())
+
+
+def _overlay(parser, base: LLMConfig, given: dict) -> LLMConfig:
+    try:
+        return replace(base, **given)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _check_outside(parser, cfg: LLMConfig, run_dir: Path) -> None:
+    try:
+        check_device(cfg.device)
+        check_writable_folder("output", run_dir)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+@dataclass
+class LLMTrainCommand:
+    config: LLMConfig
+    run_dir: Path
+    resume: bool
+
+
+def parse_llm_train_command(argv=None, prog=None) -> LLMTrainCommand:
+    """The options of ``masked-rl llm-train``, checked (one-line error and exit 2 otherwise)."""
+    parser = OneLineErrorParser(
+        prog=prog,
+        description="Token-level PPO with masked GAE (or GRPO, or plain token GAE) on the chat "
+        "tool-use task, a tiny LlamaForCausalLM trained from scratch on TorchRL's LLM stack. "
+        "The first Ctrl-C stops after the current iteration, checkpoints and exits with status "
+        "130; --resume RUN_DIR continues (--resume RUN_DIR --tokens N extends a finished run).",
+    )
+    parser.add_argument("--resume", metavar="RUN_DIR", type=Path, default=argparse.SUPPRESS,
+                        help="continue the run in RUN_DIR from its checkpoint, with its options")
+    add_options(parser, LLMConfig())
+    given = vars(parser.parse_args(argv))
+    resume = given.pop("resume", None)
+    if resume is None:
+        cfg = _overlay(parser, LLMConfig(), given)
+        run_dir = cfg.run_dir()
+    else:
+        not_allowed = sorted(set(given) - set(RUNTIME_FIELDS))
+        if not_allowed:
+            parser.error(f"--resume continues a run with its saved options; "
+                         f"{', '.join(map(_flag, not_allowed))} cannot be changed")
+        run_dir = resume
+        if not (run_dir / CHECKPOINT_FILE).is_file():
+            parser.error(f"--resume: {str(run_dir)!r} holds no {CHECKPOINT_FILE}")
+        try:
+            saved = read_run_config(run_dir)
+        except ValueError as err:
+            parser.error(f"--resume: {err}")
+        cfg = _overlay(parser, saved, given)
+    _check_outside(parser, cfg, run_dir)
+    return LLMTrainCommand(cfg, Path(run_dir), resume is not None)
+
+
+@dataclass
+class LLMCompareCommand:
+    base: LLMConfig
+    seeds: list[int]
+    estimators: tuple[str, ...]
+
+
+def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
+    """The options of ``masked-rl llm-compare``, checked."""
+    parser = OneLineErrorParser(
+        prog=prog,
+        description="masked PPO vs GRPO vs plain token GAE on the chat tool-use task, same model, "
+        "seeds and sampled-token budget: a table, summary.csv, curves.csv and curves.png in "
+        "--output. Runs one after the other; re-running the same command skips finished runs "
+        "and resumes interrupted ones (Ctrl-C: exit status 130).",
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="distinct seeds, each trained with every estimator (default: 0 1 2)")
+    parser.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS),
+                        help="estimators to compare (default: masked grpo plain)")
+    defaults = LLMConfig(output="runs/llm_compare", progress_bar=False)
+    add_options(parser, defaults, skip=("estimator", "seed"))
+    args = vars(parser.parse_args(argv))
+    seeds, estimators = args.pop("seeds"), tuple(args.pop("estimators"))
+    if len(set(estimators)) != len(estimators):
+        parser.error(f"--estimators must be distinct, got {' '.join(estimators)}")
+    if len(set(seeds)) != len(seeds):
+        parser.error(f"--seeds must be distinct, got {' '.join(map(str, seeds))}")
+    base = _overlay(parser, defaults, args)
+    for estimator in estimators:
+        for seed in seeds:
+            _overlay(parser, base, {"estimator": estimator, "seed": seed})
+    _check_outside(parser, base, Path(base.output))
+    return LLMCompareCommand(base, list(seeds), estimators)
+

@@ -1,0 +1,94 @@
+"""The two critic-based estimators of ``masked-rl llm-train``: masked GAE and plain token GAE.
+
+Both use masked_rl.llm's token critic (a separate causal model of the policy's size with a
+scalar head, ``V[t]`` read at position ``t - 1``) and ``TokenPPOLoss`` for the policy term at the
+assistant tokens; they differ in the advantage:
+
+- ``masked``: :func:`masked_rl.llm.compute_token_advantages`: the adapter (rewards on each turn's
+  closing token, done/terminated at the transcript's end) and ``MaskedGAE`` over the assistant
+  tokens only; the critic is trained on the assistant tokens' value targets.
+- ``plain``: the same steps through TorchRL's ``GAE``: every real token is a transition (prompt,
+  tool and template tokens included, each one more ``gamma * lmbda`` between two decisions), and
+  the critic is trained on every real token's value target, as TorchRL's GAE expects.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrl.objectives.value import GAE
+
+from masked_rl import MaskedGAE
+from masked_rl.llm import TokenCritic, TokenPPOLoss, compute_token_advantages, transcript_steps
+
+from masked_rl_envs.llm_factories import make_model
+
+
+def _critic(cfg, tokenizer) -> TokenCritic:
+    trunk = make_model(tokenizer, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                       num_heads=cfg.num_heads, seed=cfg.seed + 1).model
+    return TokenCritic(trunk.to(cfg.device).eval())
+
+
+class MaskedEstimator(nn.Module):
+    def __init__(self, cfg, model, tokenizer):
+        super().__init__()
+        self.policy = model
+        self.critic = _critic(cfg, tokenizer)
+        self.gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
+        self.loss_module = TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
+                                        critic_coeff=cfg.critic_coeff,
+                                        entropy_coeff=cfg.entropy_coeff)
+        self.eos = tokenizer.eos_token_id
+
+    def prepare(self, data, rollout) -> None:
+        compute_token_advantages(data, self.critic, self.gae, terminated=rollout.terminated,
+                                 turn_reward=rollout.turn_rewards, mode="history",
+                                 end_of_turn_token_id=self.eos)
+
+    def loss(self, minibatch) -> dict:
+        out = self.loss_module(minibatch)
+        return {k: out[k] for k in out.keys()}
+
+
+class PlainEstimator(MaskedEstimator):
+    """TorchRL's GAE over every token; the policy term at the assistant tokens, the value loss
+    at every real token."""
+
+    def __init__(self, cfg, model, tokenizer):
+        super().__init__(cfg, model, tokenizer)
+        self.gae = GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
+        # The policy term only: the value loss is over every real token, below.
+        self.loss_module = TokenPPOLoss(model, None, clip_epsilon=cfg.clip_epsilon,
+                                        entropy_coeff=cfg.entropy_coeff)
+        self.critic_coeff = cfg.critic_coeff
+
+    def prepare(self, data, rollout) -> None:
+        steps = transcript_steps(data, terminated=rollout.terminated,
+                                 turn_reward=rollout.turn_rewards, mode="history",
+                                 end_of_turn_token_id=self.eos)
+        with torch.no_grad():
+            value, next_value = self.critic(steps["tokens"], steps["attention_mask"])
+        steps["state_value"], steps["next", "state_value"] = value, next_value
+        self.gae(steps)
+        # Every real token but a row's first (no state) is a transition with a value target.
+        real = steps["attention_mask"].bool()
+        transitions = real & torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
+        data.set("loss_mask", steps["loss_mask"])
+        data.set("advantage", torch.where(steps["loss_mask"].unsqueeze(-1),
+                                          steps["advantage"], 0.0))
+        data.set("value_target", steps["value_target"])
+        data.set("value_mask", transitions)
+
+    def loss(self, minibatch) -> dict:
+        terms = super().loss(minibatch)
+        tokens = minibatch["tokens", "full"]
+        value, _ = self.critic(tokens, minibatch["masks", "all_attention_mask"])
+        where = minibatch["value_mask"]
+        error = (value.squeeze(-1) - minibatch["value_target"].squeeze(-1))[where]
+        terms["loss_critic"] = self.critic_coeff * error.pow(2).mean()
+        return terms
+
+
+def make_critic_estimator(cfg, model, tokenizer, wrappers) -> nn.Module:
+    return {"masked": MaskedEstimator, "plain": PlainEstimator}[cfg.estimator](cfg, model, tokenizer)

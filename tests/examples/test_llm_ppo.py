@@ -1,0 +1,157 @@
+"""Smoke runs of ``masked-rl llm-train`` / ``llm-compare``: each estimator end to end in seconds,
+checkpoint and resume, Ctrl-C, and one-line option errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from masked_rl_examples.llm_ppo.config import LLMConfig, parse_llm_train_command
+from masked_rl_examples.llm_ppo.llm_ppo import train
+
+TINY = dict(tokens=150, episodes_per_batch=8, group_size=4, eval_episodes=8, eval_every=100,
+            epochs=1, minibatch_size=4, hidden_size=16, num_heads=2, progress_bar=False)
+
+
+def _cfg(tmp_path, **kwargs) -> LLMConfig:
+    return LLMConfig(**{**TINY, "output": str(tmp_path), **kwargs})
+
+
+@pytest.mark.parametrize("estimator", ["masked", "grpo", "plain"])
+def test_train_runs_each_estimator_and_writes_its_run_folder(tmp_path, estimator):
+    cfg = _cfg(tmp_path, estimator=estimator)
+    summary = train(cfg)
+    run_dir = tmp_path / f"{estimator}-seed0"
+    assert summary["status"] == "completed" and summary["tokens"] >= cfg.tokens
+    assert summary["episodes"] == summary["iterations"] * 8
+    assert [h["tokens"] for h in summary["history"]][0] == 0  # the untrained policy first
+    assert summary["history"][-1]["tokens"] == summary["tokens"]
+    assert 0.0 <= summary["final_success_rate"] <= 1.0
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    assert (run_dir / "checkpoint.pt").is_file()
+    rows = (run_dir / "scalars" / "train" / "episode_return.csv").read_text().splitlines()
+    assert len(rows) == summary["iterations"]
+    assert (run_dir / "scalars" / "train" / "loss_objective.csv").is_file()
+    if estimator != "grpo":
+        assert (run_dir / "scalars" / "train" / "loss_critic.csv").is_file()
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    straight = train(_cfg(tmp_path / "a", tokens=300))
+    first = train(_cfg(tmp_path / "b", tokens=150))
+    assert first["tokens"] < straight["tokens"]
+    resumed = train(_cfg(tmp_path / "b", tokens=300), resume=True)
+    assert resumed["tokens"] == straight["tokens"]
+    assert [h["success_rate"] for h in resumed["history"]] == [
+        h["success_rate"] for h in straight["history"]]
+    weights = [torch.load(p / "masked-seed0" / "checkpoint.pt", weights_only=True)["estimator"]
+               for p in (tmp_path / "a", tmp_path / "b")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    # the CSV log holds each iteration once
+    steps = [int(line.split(",")[0]) for line in (
+        tmp_path / "b" / "masked-seed0" / "scalars" / "train" / "episode_return.csv"
+    ).read_text().splitlines()]
+    assert steps == sorted(set(steps)) and len(steps) == straight["iterations"]
+
+
+def test_resume_refuses_other_options(tmp_path):
+    train(_cfg(tmp_path))
+    with pytest.raises(ValueError, match="lr differ"):
+        train(_cfg(tmp_path, lr=0.5), resume=True)
+
+
+def _masked_rl(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "masked_rl_examples.cli", *args],
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
+    (["--estimator", "ppo"], "argument --estimator: invalid choice: 'ppo'"),
+    (["--estimator", "grpo", "--group-size", "3"], "episodes_per_batch must be a multiple of "
+                                                   "group_size=3 for grpo, got 64"),
+    (["--n-queries", "5"], "n_queries must be <= n_keys=4, got 5"),
+    (["--device", "cuda:7"], "device: 'cuda:7'"),
+])
+def test_option_errors_are_one_line(args, message):
+    result = _masked_rl("llm-train", *args)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert result.stderr.startswith("masked-rl llm-train: error: ")
+
+
+def test_resume_option_errors(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_llm_train_command(["--resume", str(tmp_path)])
+    train(_cfg(tmp_path))
+    with pytest.raises(SystemExit):
+        parse_llm_train_command(["--resume", str(tmp_path / "masked-seed0"), "--lr", "0.1"])
+    command = parse_llm_train_command(["--resume", str(tmp_path / "masked-seed0"),
+                                       "--tokens", "400"])
+    assert command.resume and command.config.tokens == 400 and command.config.hidden_size == 16
+
+
+def test_ctrl_c_checkpoints_and_resume_finishes(tmp_path):
+    options = ["--tokens", "100000", "--episodes-per-batch", "8", "--eval-episodes", "8",
+               "--eval-every", "100", "--epochs", "1", "--minibatch-size", "8",
+               "--hidden-size", "16", "--num-heads", "2", "--no-progress-bar",
+               "--output", str(tmp_path)]
+    process = subprocess.Popen([sys.executable, "-m", "masked_rl_examples.cli", "llm-train",
+                                *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    run_dir = tmp_path / "masked-seed0"
+    deadline = time.monotonic() + 240
+    while not (run_dir / "scalars" / "train" / "episode_return.csv").is_file():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.2)
+    os.kill(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == 130, stderr
+    assert f"masked-rl llm-train --resume {run_dir}" in stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["tokens"] < 100000
+    result = _masked_rl("llm-train", "--resume", str(run_dir), "--tokens",
+                        str(summary["tokens"] + 50))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_compare_one_seed_writes_table_csvs_png_and_resumes(tmp_path):
+    args = ["llm-compare", "--seeds", "0", "--estimators", "masked", "grpo", "--output",
+            str(tmp_path)] + [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()
+                              if k != "progress_bar"]
+    result = _masked_rl(*args)
+    assert result.returncode == 0, result.stderr
+    assert "masked" in result.stdout and "grpo" in result.stdout and "solved" in result.stdout
+    summary_rows = (tmp_path / "summary.csv").read_text().splitlines()
+    assert summary_rows[0].startswith("estimator,seed,status,final_success_rate")
+    assert [r.split(",")[:3] for r in summary_rows[1:]] == [
+        ["masked", "0", "completed"], ["grpo", "0", "completed"]]
+    curves = (tmp_path / "curves.csv").read_text().splitlines()
+    assert curves[0] == "estimator,seed,tokens,episodes,success_rate,wall_time_s"
+    assert len(curves) > 3
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    # a second call finds both runs finished and trains nothing
+    mtime = (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns
+    again = _masked_rl(*args)
+    assert again.returncode == 0 and again.stdout == result.stdout.replace(
+        result.stdout, again.stdout)
+    assert (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns == mtime
+
+
+def test_config_defaults_are_valid_and_checked():
+    cfg = LLMConfig()
+    assert cfg.batch_group_size == 1 and replace(cfg, estimator="grpo").batch_group_size == 8
+    with pytest.raises(ValueError, match="group_size must be >= 2 for grpo"):
+        LLMConfig(estimator="grpo", group_size=1)
+    with pytest.raises(ValueError, match="hidden_size must be divisible by num_heads=4, got 30"):
+        LLMConfig(hidden_size=30)
