@@ -170,12 +170,5 @@ def parse_cp_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.tolerance >= 0:
         parser.error(f"--tolerance must be >= 0, got {args.tolerance}")
     _check_discounts(parser, args)
-    per_row = 2 if args.layout == "zigzag" else 1  # chunks per rank
-    for cp in args.cp:
-        for batch, steps in args.shapes:
-            if steps < per_row * cp:
-                parser.error(f"--shapes {batch}x{steps}: --cp {cp} with --layout {args.layout} "
-                             f"cuts each row into {per_row * cp} chunks, so rows need at least "
-                             f"{per_row * cp} steps, got {steps}")
     _check_writable(parser, args.out)
     return args

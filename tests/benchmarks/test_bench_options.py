@@ -27,11 +27,6 @@ def test_unwritable_out_is_refused_before_the_benchmark_runs(capsys, tmp_path):
     ("bench", ["--gamma", "1.5"], "--gamma must be in [0, 1], got 1.5"),
     ("bench", ["--lmbda", "nan"], "--lmbda must be in [0, 1], got nan"),
     ("bench-cp", ["--gamma", "2"], "--gamma must be in [0, 1], got 2.0"),
-    ("bench-cp", ["--cp", "2", "--shapes", "2x1"],
-     "--shapes 2x1: --cp 2 with --layout zigzag cuts each row into 4 chunks, so rows need at "
-     "least 4 steps, got 1"),
-    ("bench-cp", ["--cp", "3", "--layout", "contiguous", "--shapes", "4x2"],
-     "rows need at least 3 steps, got 2"),
 ])
 def test_bad_bench_options_are_one_line_errors_before_anything_starts(capsys, tmp_path, command,
                                                                       argv, message):
