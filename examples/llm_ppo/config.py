@@ -77,7 +77,11 @@ class LLMConfig:
     lr: float = 1e-3
     max_grad_norm: float = 1.0
     clip_epsilon: float = 0.2
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.01
+    normalize_advantage: bool = True
+    """masked, plain: standardise the advantages over each minibatch's trainable tokens (with
+    rewards >= 0 and a critic that starts at 0, raw advantages are all positive at first and
+    reinforce whatever was sampled)."""
     critic_coeff: float = 0.5
     gamma: float = 1.0
     lmbda: float = 0.95

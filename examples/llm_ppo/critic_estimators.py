@@ -38,7 +38,8 @@ class MaskedEstimator(nn.Module):
         self.gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
         self.loss_module = TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
                                         critic_coeff=cfg.critic_coeff,
-                                        entropy_coeff=cfg.entropy_coeff)
+                                        entropy_coeff=cfg.entropy_coeff,
+                                        normalize_advantage=cfg.normalize_advantage)
         self.eos = tokenizer.eos_token_id
 
     def prepare(self, data, rollout) -> None:
@@ -60,7 +61,8 @@ class PlainEstimator(MaskedEstimator):
         self.gae = GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
         # The policy term only: the value loss is over every real token, below.
         self.loss_module = TokenPPOLoss(model, None, clip_epsilon=cfg.clip_epsilon,
-                                        entropy_coeff=cfg.entropy_coeff)
+                                        entropy_coeff=cfg.entropy_coeff,
+                                        normalize_advantage=cfg.normalize_advantage)
         self.critic_coeff = cfg.critic_coeff
 
     def prepare(self, data, rollout) -> None:
