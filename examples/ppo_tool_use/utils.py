@@ -69,7 +69,12 @@ def episode_step_limit(env_id: str, **env_kwargs) -> int:
     (gymnasium's TimeLimit), or the ``max_steps`` that ``env_kwargs`` override it with."""
     if "max_steps" in env_kwargs:
         return int(env_kwargs["max_steps"])
-    return int(gym.spec(env_id.rpartition(":")[2]).max_episode_steps)
+    limit = gym.spec(env_id.rpartition(":")[2]).max_episode_steps
+    if limit is None:  # an id registered without a TimeLimit: the environment's own budget
+        probe = gym.make(env_id, **env_kwargs)
+        limit = probe.unwrapped.max_steps
+        probe.close()
+    return int(limit)
 
 
 # --- networks ------------------------------------------------------------------------------
