@@ -64,6 +64,10 @@ class LLMConfig:
     max_new_tokens: int = 4
     """Tokens an assistant turn may generate (``answer v v`` plus ``<|im_end|>`` fits 4)."""
     temperature: float = 1.0
+    end_of_turn_action: bool = True
+    """masked, plain: each assistant turn's closing ``<|im_end|>`` is an action (trained), not
+    only the content tokens of TorchRL's assistant mask. Off, the stop decision is never
+    trained, and a policy that drifts to empty turns has no trainable token left to recover."""
 
     # --- optimisation --------------------------------------------------------------------------
     episodes_per_batch: int = 64

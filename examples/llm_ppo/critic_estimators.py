@@ -41,11 +41,13 @@ class MaskedEstimator(nn.Module):
                                         entropy_coeff=cfg.entropy_coeff,
                                         normalize_advantage=cfg.normalize_advantage)
         self.eos = tokenizer.eos_token_id
+        self.end_of_turn_action = cfg.end_of_turn_action
 
     def prepare(self, data, rollout) -> None:
         compute_token_advantages(data, self.critic, self.gae, terminated=rollout.terminated,
                                  turn_reward=rollout.turn_rewards, mode="history",
-                                 end_of_turn_token_id=self.eos)
+                                 end_of_turn_token_id=self.eos,
+                                 end_of_turn_action=self.end_of_turn_action)
 
     def loss(self, minibatch) -> dict:
         out = self.loss_module(minibatch)
@@ -68,7 +70,8 @@ class PlainEstimator(MaskedEstimator):
     def prepare(self, data, rollout) -> None:
         steps = transcript_steps(data, terminated=rollout.terminated,
                                  turn_reward=rollout.turn_rewards, mode="history",
-                                 end_of_turn_token_id=self.eos)
+                                 end_of_turn_token_id=self.eos,
+                                 end_of_turn_action=self.end_of_turn_action)
         with torch.no_grad():
             value, next_value = self.critic(steps["tokens"], steps["attention_mask"])
         steps["state_value"], steps["next", "state_value"] = value, next_value
