@@ -87,6 +87,11 @@ class LLMConfig:
     rewards >= 0 and a critic that starts at 0, raw advantages are all positive at first and
     reinforce whatever was sampled)."""
     critic_coeff: float = 0.5
+    bootstrap_truncated: bool = False
+    """masked, plain: bootstrap from ``V'`` where the turn budget cut an episode (TorchRL's
+    truncation). Off (default), the budget ends the episode with value 0: the transcript shows
+    how many turns were used, so the budget is part of the state, and ``V'`` after a transcript's
+    last token is a value the critic is never trained on."""
     gamma: float = 1.0
     lmbda: float = 0.95
     eval_every: int = 20_000

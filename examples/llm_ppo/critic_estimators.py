@@ -42,9 +42,17 @@ class MaskedEstimator(nn.Module):
                                         normalize_advantage=cfg.normalize_advantage)
         self.eos = tokenizer.eos_token_id
         self.end_of_turn_action = cfg.end_of_turn_action
+        self.bootstrap_truncated = cfg.bootstrap_truncated
+
+    def terminated(self, rollout) -> torch.Tensor:
+        """``[B]``: the episodes whose value after the transcript is 0 (all of them, unless
+        ``bootstrap_truncated``)."""
+        if self.bootstrap_truncated:
+            return rollout.terminated
+        return torch.ones_like(rollout.terminated)
 
     def prepare(self, data, rollout) -> None:
-        compute_token_advantages(data, self.critic, self.gae, terminated=rollout.terminated,
+        compute_token_advantages(data, self.critic, self.gae, terminated=self.terminated(rollout),
                                  turn_reward=rollout.turn_rewards, mode="history",
                                  end_of_turn_token_id=self.eos,
                                  end_of_turn_action=self.end_of_turn_action)
@@ -68,7 +76,7 @@ class PlainEstimator(MaskedEstimator):
         self.critic_coeff = cfg.critic_coeff
 
     def prepare(self, data, rollout) -> None:
-        steps = transcript_steps(data, terminated=rollout.terminated,
+        steps = transcript_steps(data, terminated=self.terminated(rollout),
                                  turn_reward=rollout.turn_rewards, mode="history",
                                  end_of_turn_token_id=self.eos,
                                  end_of_turn_action=self.end_of_turn_action)
