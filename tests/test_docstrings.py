@@ -10,11 +10,13 @@ import pytest
 
 import masked_rl
 import masked_rl_envs
+import masked_rl_examples.llm_ppo
 import masked_rl_examples.ppo_tool_use
 
 MODULES = sorted(
     name
-    for package in (masked_rl, masked_rl_envs, masked_rl_examples.ppo_tool_use)
+    for package in (masked_rl, masked_rl_envs, masked_rl_examples.ppo_tool_use,
+                    masked_rl_examples.llm_ppo)
     for name in [package.__name__]
     + [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
 )
