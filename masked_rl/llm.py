@@ -811,22 +811,34 @@ def compute_token_advantages(
 
 # -- the loss ----------------------------------------------------------------------------------
 
-def _masked_reduce(per_token: Tensor, rows: Tensor, batch: int, reduction: str) -> Tensor:
-    """The loss reduction over the trainable tokens (``per_token`` ``[N]``, row index ``rows``).
+def _token_weights(rows: Tensor, batch: int, reduction: str, group, dtype) -> Tensor:
+    """``[N]`` weights whose dot product with per-token terms is the loss reduction.
 
-    ``"token_mean"``: mean over every trainable token of the batch. ``"sequence_mean"``: mean over
-    each row's trainable tokens, then over the rows that have one. No trainable token: ``0``
-    (with a graph, so ``backward`` still runs). The one place a data-parallel group would enter.
+    ``"token_mean"``: ``1 / count`` over every trainable token. ``"sequence_mean"``:
+    ``1 / (tokens in the row * rows with a trainable token)``. With a data-parallel ``group``
+    the counts are the group's (one ``all_reduce`` of one float64 number per group and call)
+    and the weights are multiplied by the group's size, so that DDP's mean of the ranks'
+    gradients is the gradient of the global mean (as :func:`masked_rl.reduction.masked_mean`).
+    No trainable token: an empty weight vector, and the loss is ``0`` with a graph.
     """
-    if per_token.numel() == 0:
-        return per_token.sum()
-    if reduction == "token_mean":
-        return per_token.mean()
-    sums = per_token.new_zeros(batch).index_add(0, rows, per_token)
-    counts = torch.zeros(batch, dtype=per_token.dtype, device=per_token.device).index_add(
-        0, rows, torch.ones_like(per_token))
-    has = counts > 0
-    return (sums[has] / counts[has]).mean()
+    per_row = torch.zeros(batch, dtype=torch.float64, device=rows.device).index_add(
+        0, rows, torch.ones(rows.shape, dtype=torch.float64, device=rows.device))
+    count = per_row.sum() if reduction == "token_mean" else (per_row > 0).sum().to(torch.float64)
+    world = 1
+    if group is not None:
+        import torch.distributed as dist  # only when asked
+
+        from masked_rl.distributed import _group_rank
+
+        count = count.reshape(1)
+        for each in (group if isinstance(group, (list, tuple)) else [group]):
+            world *= _group_rank(each)[1]
+            dist.all_reduce(count, group=each)
+        count = count.reshape(())
+    weight = world / count.clamp_min(1)
+    if reduction == "sequence_mean":
+        weight = weight / per_row[rows]
+    return (weight * torch.ones_like(rows, dtype=torch.float64)).to(dtype)
 
 
 class TokenPPOLoss(LossModule):
@@ -879,7 +891,20 @@ class TokenPPOLoss(LossModule):
         entropy_coeff (float): Defaults to ``0.0`` (entropy still reported).
         normalize_advantage (bool): standardise advantages over the batch's trainable tokens
             (:func:`~masked_rl.masked_standardize`). Defaults to ``False``.
-        reduction (str): ``"token_mean"`` (default) or ``"sequence_mean"``.
+        reduction (str): ``"token_mean"`` (default): the mean over every trainable token of the
+            batch; or ``"sequence_mean"``: each row's mean, then the mean over the rows that have
+            a trainable token.
+        dp_group (ProcessGroup or sequence of them, optional): the data-parallel ranks whose
+            gradients DDP averages (``torch.distributed.group.WORLD`` for all; under DP x CP
+            with ``"token_mean"``, the pair ``(cp_group, dp_group)``). The reduction's
+            denominator is then counted over every rank and the terms are scaled by the number
+            of ranks, so the averaged gradient is that of one process holding every rank's
+            batch, however the batch was split (:func:`masked_rl.reduction.masked_mean`); with
+            ``normalize_advantage`` the statistics are the group's too. Each rank's reported
+            terms are then its share times the number of ranks (all-reduce and divide to log
+            the global value). Communication: one ``all_reduce`` of one float64 number per
+            group and call (plus the standardisation's ``all_gather`` of 3 numbers per rank).
+            Defaults to ``None``: this rank alone.
 
     Keys (``set_keys``): ``action`` (``("tokens", "full")``), ``attention_mask``
     (``("masks", "all_attention_mask")``), ``loss_mask`` (``"loss_mask"``), ``sample_log_prob``
@@ -936,12 +961,16 @@ class TokenPPOLoss(LossModule):
         entropy_coeff: float = 0.0,
         normalize_advantage: bool = False,
         reduction: str = "token_mean",
+        dp_group=None,
     ):
         super().__init__()
         if critic_network is not None and not isinstance(critic_network, TokenCritic):
             raise TypeError(f"critic_network must be a TokenCritic, got {type(critic_network).__name__}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if reduction == "sequence_mean" and isinstance(dp_group, (list, tuple)):
+            raise ValueError("reduction='sequence_mean' needs whole sequences on each rank: pass "
+                             "one data-parallel dp_group, not a (cp_group, dp_group) grid")
         if loss_critic_type not in ("l1", "l2", "smooth_l1"):
             raise ValueError(f"loss_critic_type must be 'l1', 'l2' or 'smooth_l1', got {loss_critic_type!r}")
         low, high = (clip_epsilon, clip_epsilon) if isinstance(clip_epsilon, (int, float)) else tuple(clip_epsilon)
@@ -959,6 +988,7 @@ class TokenPPOLoss(LossModule):
         self.entropy_coeff = entropy_coeff
         self.normalize_advantage = normalize_advantage
         self.reduction = reduction
+        self.dp_group = dp_group
 
     @property
     def shares_trunk(self) -> bool:
@@ -1027,14 +1057,15 @@ class TokenPPOLoss(LossModule):
         log_prob = _log_probs_of(logits, tokens[rows, cols])
         advantage = per_step["advantage"]
         if self.normalize_advantage:
-            advantage = masked_standardize(advantage.unsqueeze(-1), mask).squeeze(-1)
+            advantage = masked_standardize(advantage.unsqueeze(-1), mask,
+                                           group=self.dp_group).squeeze(-1)
         advantage = advantage[rows, cols].detach().to(log_prob.dtype)
         log_weight = log_prob - old_log_prob[rows, cols].to(log_prob.dtype)
         clipped = log_weight.clamp(*self.clip_bounds)
         gain = torch.minimum(log_weight.exp() * advantage, clipped.exp() * advantage)
         entropy = -(logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1)
-        batch = tokens.shape[0]
-        reduce = lambda x: _masked_reduce(x, rows, batch, self.reduction)  # noqa: E731
+        weight = _token_weights(rows, tokens.shape[0], self.reduction, self.dp_group, log_prob.dtype)
+        reduce = lambda x: (x * weight).sum()  # noqa: E731
         out = {
             "loss_objective": reduce(-gain),
             "loss_entropy": -self.entropy_coeff * reduce(entropy),
