@@ -33,7 +33,7 @@ class LLMConfig:
     MaskedGAE, TokenPPOLoss); ``grpo``: TorchRL's GRPOLoss with the group-relative advantage
     (``group_size`` samples of each task); ``plain``: TorchRL's GAE with every token a
     transition (prompt, tool and template tokens included), same critic and loss as masked."""
-    tokens: int = 400_000
+    tokens: int = 150_000
     """Budget in sampled tokens (every generated token, end-of-turn tokens included; whole
     batches, so a run may end a batch past it)."""
     seed: int = 0
@@ -54,11 +54,16 @@ class LLMConfig:
     response_len: int = 8
     """Words per tool message."""
     max_turns: int = 5
-    lookup_reward: float = 0.1
+    lookup_reward: float = 0.5
+    """Reward for looking up the next queried key (the environment's default is 0.1; at 0.1 the
+    policy settled on answering at once, measured: 1 turn, greedy success 5 % at 200k tokens)."""
     partial_credit: bool = True
 
     # --- model (masked_rl_envs.llm_factories) --------------------------------------------------
-    hidden_size: int = 64
+    hidden_size: int = 128
+    """Width of the policy and the critic. Copying a looked-up value into the answer is an
+    induction-style circuit: taught by teacher forcing on oracle transcripts, a 2-layer model
+    of width 64 needs about 650 steps of 32 transcripts to find it, width 128 about 200."""
     num_layers: int = 2
     num_heads: int = 4
     max_new_tokens: int = 4
@@ -78,14 +83,16 @@ class LLMConfig:
     epochs: int = 4
     minibatch_size: int = 32
     """Episodes per gradient step."""
-    lr: float = 1e-3
+    lr: float = 3e-4
+    """At 1e-3 the tiny model moves so far per iteration that 50-90 % of the trainable tokens'
+    ratios are clipped."""
     max_grad_norm: float = 1.0
     clip_epsilon: float = 0.2
     entropy_coeff: float = 0.01
-    normalize_advantage: bool = True
-    """masked, plain: standardise the advantages over each minibatch's trainable tokens (with
-    rewards >= 0 and a critic that starts at 0, raw advantages are all positive at first and
-    reinforce whatever was sampled)."""
+    normalize_advantage: bool = False
+    """masked, plain: standardise the advantages over each minibatch's trainable tokens. Off by
+    default: while every reward in a batch is 0, standardising blows the critic's noise up to
+    unit scale and the policy's entropy collapsed (measured at lr 3e-4 and 1e-3)."""
     critic_coeff: float = 0.5
     bootstrap_truncated: bool = False
     """masked, plain: bootstrap from ``V'`` where the turn budget cut an episode (TorchRL's
