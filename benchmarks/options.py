@@ -9,7 +9,6 @@ machine); :func:`parse_bench_args` and :func:`parse_cp_args` return a checked
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from masked_rl_examples.ppo_tool_use.config import OneLineErrorParser, check_writable_folder

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchrl.objectives.llm import GRPOLoss
 
-from masked_rl.llm import TokenCritic, TokenPPOLoss, TokenValueHead, token_log_probs
+from masked_rl.llm import TokenCritic, TokenPPOLoss, TokenValueHead
 from masked_rl_envs.chat_tool_use import ChatToolUseConfig, make_chat_tool_use_env
 from masked_rl_envs.llm_factories import make_model, make_tokenizer
 from masked_rl_examples.llm_ppo.rollout import make_wrappers, rollout, score

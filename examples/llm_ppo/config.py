@@ -231,6 +231,7 @@ class LLMTrainCommand:
     config: LLMConfig
     run_dir: Path
     resume: bool
+    overwrite: bool = False
 
 
 def parse_llm_train_command(argv=None, prog=None) -> LLMTrainCommand:
@@ -244,9 +245,14 @@ def parse_llm_train_command(argv=None, prog=None) -> LLMTrainCommand:
     )
     parser.add_argument("--resume", metavar="RUN_DIR", type=Path, default=argparse.SUPPRESS,
                         help="continue the run in RUN_DIR from its checkpoint, with its options")
+    parser.add_argument("--overwrite", action="store_true", default=argparse.SUPPRESS,
+                        help="replace the finished run the run folder holds (refused otherwise)")
     add_options(parser, LLMConfig())
     given = vars(parser.parse_args(argv))
     resume = given.pop("resume", None)
+    overwrite = given.pop("overwrite", False)
+    if overwrite and resume is not None:
+        parser.error("--overwrite starts a fresh run; it cannot be combined with --resume")
     if resume is None:
         cfg = _overlay(parser, LLMConfig(), given)
         run_dir = cfg.run_dir()
@@ -264,7 +270,7 @@ def parse_llm_train_command(argv=None, prog=None) -> LLMTrainCommand:
             parser.error(f"--resume: {err}")
         cfg = _overlay(parser, saved, given)
     _check_outside(parser, cfg, run_dir)
-    return LLMTrainCommand(cfg, Path(run_dir), resume is not None)
+    return LLMTrainCommand(cfg, Path(run_dir), resume is not None, overwrite)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from torchrl.record.loggers import get_logger
 from masked_rl_envs.chat_tool_use import ChatToolUseConfig, make_chat_tool_use_env
 from masked_rl_envs.llm_factories import make_model, make_tokenizer
 from masked_rl_examples.ppo_tool_use import utils as classic_utils
+from masked_rl_examples.ppo_tool_use.config import RunFolderError, check_fresh_run_folder
 
 from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, LLMConfig, LLMTrainCommand,
                      changed_options)
@@ -77,10 +78,28 @@ def max_transcript_tokens(cfg: LLMConfig) -> int:
     return prompt + cfg.max_turns * (turn + tool) + 8
 
 
-def open_run_dir(run_dir: Path, cfg: LLMConfig, resume: bool) -> dict | None:
+def read_checkpoint(path: Path) -> dict:
+    """A checkpoint of this recipe; ``ValueError`` (one line, naming the file) for any file that
+    is not one: truncated, another format, other keys."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # no code runs on load
+        LLMConfig(**state["config"])
+        return state
+    except Exception as err:  # noqa: BLE001  (any unreadable file is the same user error)
+        first_line = str(err).splitlines()[0] if str(err) else ""
+        raise ValueError(f"{str(path)!r} is not an llm-train checkpoint: "
+                         f"{type(err).__name__}: {first_line}") from None
+
+
+def open_run_dir(run_dir: Path, cfg: LLMConfig, resume: bool, overwrite: bool = False) -> dict | None:
+    """Prepare ``run_dir``; the checkpoint to resume from (``None`` for a fresh run). A fresh
+    run refuses a folder holding a finished run unless ``overwrite`` (``RunFolderError``), then
+    drops the folder's earlier checkpoint and logs."""
     checkpoint = None
+    if not resume:
+        check_fresh_run_folder(run_dir, overwrite, budget_option="--tokens")
     if resume:
-        checkpoint = torch.load(run_dir / CHECKPOINT_FILE, map_location="cpu", weights_only=True)
+        checkpoint = read_checkpoint(run_dir / CHECKPOINT_FILE)
         changed = changed_options(LLMConfig(**checkpoint["config"]), cfg)
         if changed:
             raise ValueError(f"cannot resume {str(run_dir)!r} with other options than its "
@@ -179,7 +198,8 @@ def write_summary(run_dir: Path, cfg: LLMConfig, progress: Progress, status: str
     return summary
 
 
-def train(cfg: LLMConfig, *, run_dir: Path | None = None, resume: bool = False) -> dict:
+def train(cfg: LLMConfig, *, run_dir: Path | None = None, resume: bool = False,
+          overwrite: bool = False) -> dict:
     """Train one run; returns the summary also written to ``<run_dir>/summary.json``.
 
     ``"status"`` is ``"completed"``, or ``"interrupted"`` after a SIGINT (the run stops after
@@ -188,9 +208,17 @@ def train(cfg: LLMConfig, *, run_dir: Path | None = None, resume: bool = False) 
     and minibatch order), the task generator and the counters are restored, and the CSV log is
     cut back to the checkpoint, so on the CPU with the same thread count a resumed run makes the
     same iterations as one never stopped.
+
+    One process at a time writes a run folder (``RunFolderError`` naming the holder's pid
+    otherwise); a fresh run refuses a folder holding a finished run unless ``overwrite``.
     """
     run_dir = Path(run_dir) if run_dir is not None else cfg.run_dir()
-    checkpoint = open_run_dir(run_dir, cfg, resume)
+    with classic_utils.run_folder_lock(run_dir):  # one writer per folder
+        return _train(cfg, run_dir, open_run_dir(run_dir, cfg, resume, overwrite))
+
+
+def _train(cfg: LLMConfig, run_dir: Path, checkpoint: dict | None) -> dict:
+    """:func:`train`, in a folder opened and locked."""
     started = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -264,7 +292,15 @@ def train(cfg: LLMConfig, *, run_dir: Path | None = None, resume: bool = False) 
 def run_llm_train_command(command: LLMTrainCommand) -> int:
     """Run ``masked-rl llm-train``; returns the exit status (130 when interrupted)."""
     cfg = command.config
-    summary = train(cfg, run_dir=command.run_dir, resume=command.resume)
+    try:
+        summary = train(cfg, run_dir=command.run_dir, resume=command.resume,
+                        overwrite=command.overwrite)
+    except (RunFolderError, OSError, ValueError) as err:
+        message = classic_utils.run_error_message(err, command.run_dir, "masked-rl llm-train")
+        if message is None:
+            raise
+        print(f"masked-rl llm-train: error: {message}", file=sys.stderr)
+        return 2
     reached = summary["tokens_to_threshold"]
     print(
         f"{cfg.estimator}, seed {cfg.seed}: final greedy success "

@@ -517,7 +517,7 @@ class RunFolderError(ValueError):
     run that a fresh run would replace."""
 
 
-def check_fresh_run_folder(run_dir: Path, overwrite: bool) -> None:
+def check_fresh_run_folder(run_dir: Path, overwrite: bool, budget_option: str = "--frames") -> None:
     """Refuse a fresh run into a folder holding a finished run, unless ``overwrite``."""
     path = Path(run_dir) / SUMMARY_FILE
     if overwrite or not path.is_file():
@@ -529,7 +529,7 @@ def check_fresh_run_folder(run_dir: Path, overwrite: bool) -> None:
     if status == "completed":
         raise RunFolderError(
             f"{str(run_dir)!r} holds a finished run: pass --overwrite to replace it, --resume "
-            f"{str(run_dir)} --frames N to extend it, or another --output")
+            f"{str(run_dir)} {budget_option} N to extend it, or another --output")
 
 
 def train_parser(prog: str | None = None) -> argparse.ArgumentParser:

@@ -28,9 +28,7 @@ options, documented in ``config.py``.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import shutil
 import sys
 import time
@@ -511,7 +509,7 @@ def run_train_command(command: TrainCommand) -> int:
         summary = train(cfg, run_dir=command.run_dir, resume=command.resume,
                         overwrite=command.overwrite)
     except (RunFolderError, OSError) as err:
-        message = run_error_message(err, command.run_dir)
+        message = utils.run_error_message(err, command.run_dir)
         if message is None:
             raise
         print(f"masked-rl train: error: {message}", file=sys.stderr)
@@ -529,19 +527,6 @@ def run_train_command(command: TrainCommand) -> int:
               f"continue with: masked-rl train --resume {summary['run_dir']}", file=sys.stderr)
         return 130
     return 0
-
-
-def run_error_message(err: Exception, run_dir: Path) -> str | None:
-    """The one line a user needs for an error that stops a run: another writer holds its folder,
-    or the disk is full (the atomic writes keep the last checkpoint whole; resume from it).
-    ``None`` for anything else, a bug whose traceback should show."""
-    if isinstance(err, RunFolderError):
-        return str(err)
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"{os.strerror(err.errno)} while writing to {str(run_dir)!r}: the last "
-                f"checkpoint there is intact; free some space and continue with "
-                f"masked-rl train --resume {run_dir}")
-    return None
 
 
 def run_eval_command(command: EvalCommand) -> int:

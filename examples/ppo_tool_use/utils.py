@@ -3,6 +3,7 @@ makes a run safe to stop and resume (interruption, atomic files, checkpointed st
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import random
@@ -449,3 +450,17 @@ def truncate_csv_scalars(log_dir: Path, last_step: int) -> None:
         kept = [line for line in lines if int(line.split(",", 1)[0]) <= last_step]
         if len(kept) < len(lines):
             write_text_atomically("".join(kept), path)
+
+
+def run_error_message(err: Exception, run_dir: Path, command: str = "masked-rl train") -> str | None:
+    """The one line a user needs for an error that stops a run: another writer holds its folder,
+    or the disk is full (the atomic writes keep the last checkpoint whole; resume from it).
+    ``None`` for anything else, a bug whose traceback should show. (``RunFolderError`` is a
+    ``ValueError``: the callers catch it, not any ``ValueError``.)"""
+    if isinstance(err, ValueError):
+        return str(err)
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"{os.strerror(err.errno)} while writing to {str(run_dir)!r}: the last "
+                f"checkpoint there is intact; free some space and continue with "
+                f"{command} --resume {run_dir}")
+    return None

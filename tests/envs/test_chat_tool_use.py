@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from tensordict import lazy_stack
 from torchrl.data.llm import History
 
