@@ -38,13 +38,13 @@ if __package__:  # imported, e.g. by `masked-rl compare` (masked_rl_examples.ppo
     from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, CompareCommand, Config,
                          changed_options, parse_compare_command, read_run_config)
     from .config import RunFolderError
-    from .ppo_tool_use import SUCCESS_THRESHOLD, run_error_message, train
+    from .ppo_tool_use import SUCCESS_THRESHOLD, train
 else:  # run as a script from this folder: python compare.py
     import utils
     from config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, CompareCommand, Config,
                         changed_options, parse_compare_command, read_run_config)
     from config import RunFolderError
-    from ppo_tool_use import SUCCESS_THRESHOLD, run_error_message, train
+    from ppo_tool_use import SUCCESS_THRESHOLD, train
 
 
 @dataclass
@@ -415,7 +415,7 @@ def run_compare_command(command: CompareCommand) -> int:
     try:
         summaries, interrupted = run_all(runs, command.jobs)
     except (RunFolderError, OSError) as err:
-        message = run_error_message(err, Path(getattr(err, "filename", None) or base.output))
+        message = utils.run_error_message(err, Path(getattr(err, "filename", None) or base.output))
         if message is None:
             raise
         print(f"masked-rl compare: error: {message}", file=sys.stderr)
