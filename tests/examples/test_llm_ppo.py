@@ -34,7 +34,11 @@ def test_train_runs_each_estimator_and_writes_its_run_folder(tmp_path, estimator
     assert summary["episodes"] == summary["iterations"] * 8
     assert [h["tokens"] for h in summary["history"]][0] == 0  # the untrained policy first
     assert summary["history"][-1]["tokens"] == summary["tokens"]
-    assert 0.0 <= summary["final_success_rate"] <= 1.0
+    # Each evaluation is a whole number of the eval episodes, logged as the CSV's last row.
+    assert summary["final_success_rate"] == summary["history"][-1]["success_rate"]
+    assert all((h["success_rate"] * cfg.eval_episodes).is_integer() for h in summary["history"])
+    last = (run_dir / "scalars" / "eval" / "success_rate.csv").read_text().split()[-1]
+    assert float(last.split(",")[1]) == summary["final_success_rate"]
     assert json.loads((run_dir / "summary.json").read_text()) == summary
     assert (run_dir / "checkpoint.pt").is_file()
     rows = (run_dir / "scalars" / "train" / "episode_return.csv").read_text().splitlines()
