@@ -9,7 +9,13 @@ come back at once, and ``masked-rl bench`` does not pay for the recipe or vice v
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# TorchRL logs INFO lines (to stdout, through the progress bars) unless told otherwise; it reads
+# this when it is first imported, which the commands do after this module. RL_LOGGING_LEVEL=INFO
+# in the environment brings them back.
+os.environ.setdefault("RL_LOGGING_LEVEL", "WARNING")
 
 
 def _train(argv: list[str]) -> int:

@@ -464,3 +464,11 @@ def run_error_message(err: Exception, run_dir: Path, command: str = "masked-rl t
                 f"checkpoint there is intact; free some space and continue with "
                 f"{command} --resume {run_dir}")
     return None
+
+
+def legend(ax, **kwargs) -> None:
+    """``ax.legend(**kwargs)`` where ``ax`` has labelled lines or points; nothing otherwise
+    (matplotlib warns on an empty legend, e.g. a panel where no run reached the threshold)."""
+    handles, _ = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(**kwargs)

@@ -430,7 +430,8 @@ def test_training_steps_and_the_critic_only_steps(tmp_path):
     loss = recipe.make_loss(cfg, actor, critic)
     from torchrl.collectors import Collector
     from masked_rl import CompleteEpisodes
-    collector = Collector(env, actor, frames_per_batch=256, total_frames=512)
+    collector = Collector(env, actor, frames_per_batch=256, total_frames=512,
+                          auto_register_policy_transforms=False)  # feed-forward: none needed
     complete = CompleteEpisodes()
     for batch in collector:
         whole = complete(batch)

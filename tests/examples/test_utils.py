@@ -169,3 +169,19 @@ def test_evaluate_counts_90_of_100_as_the_90_percent_threshold(monkeypatch):
     actor = TensorDictModule(torch.nn.Identity(), in_keys=["tokens"], out_keys=["action"])
     result = utils.evaluate(actor, FixedRollout(), seed=0, max_steps=1)
     assert result["success_rate"] >= 0.9 and result["success_rate"] == 0.9
+
+
+def test_legend_only_where_something_is_labelled(recwarn):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (empty, labelled) = plt.subplots(1, 2)
+    empty.plot([0, 1], [0, 1])  # no label
+    labelled.plot([0, 1], [1, 0], label="masked")
+    utils.legend(empty, loc="upper left")
+    utils.legend(labelled, loc="upper left")
+    plt.close(fig)
+    assert empty.get_legend() is None and labelled.get_legend() is not None
+    assert not [w for w in recwarn if "legend" in str(w.message)]
