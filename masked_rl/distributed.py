@@ -46,7 +46,7 @@ from torch import Tensor
 from masked_rl._checks import _LOW_PRECISION, _check_gae_inputs
 from masked_rl._vectorized import _flat_nonzero
 from masked_rl.functional import masked_generalized_advantage_estimate
-from masked_rl.statistics import masked_moments
+from masked_rl.statistics import _all_gather_single, masked_moments
 
 __all__ = [
     "masked_moments",
@@ -64,10 +64,6 @@ LAYOUTS = ("contiguous", "zigzag")
 _KIND, _HEAD, _VALUE, _AT_START, _A, _B, _TAIL_TRAIN, _TAIL_NEXT, _HAS_DONE, _LAST_TRAIN = range(10)
 _FIELDS = 10
 _NONE, _TRAIN, _END = 0, 1, 2  # a chunk's first event: nothing, a trainable step, an episode end
-
-# all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def _check_layout(layout: str, cp: int) -> int:
     """The number of chunks per row, or a ``ValueError``."""

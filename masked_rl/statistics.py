@@ -14,6 +14,9 @@ from torch import Tensor
 
 from masked_rl._checks import _LOW_PRECISION, check_loss_mask
 
+# all_gather_single is all_gather_into_tensor's name from torch 2.13 on (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = ["masked_moments", "masked_standardize"]
 
 
@@ -51,7 +54,7 @@ def masked_moments(values: Tensor, mask: Tensor, group=None) -> tuple[Tensor, Te
             raise RuntimeError("this process is not a member of the process group passed as group")
         ranks = dist.get_world_size(each)
         gathered = values.new_empty(3 * ranks)
-        dist.all_gather_into_tensor(gathered, torch.stack((count, mean, squares)), group=each)
+        _all_gather_single(gathered, torch.stack((count, mean, squares)), group=each)
         counts, means, spreads = gathered.view(ranks, 3).unbind(-1)
         count = counts.sum()
         mean = (counts * means).sum() / count.clamp_min(1)
