@@ -16,6 +16,7 @@ from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, _flag, c
                                                     check_writable_folder)
 
 ESTIMATORS = ("masked", "grpo", "plain")
+CRITICS = ("separate", "shared")
 LOGGERS = ("csv", "none")
 MAX_SEED = 2**32 - 1
 CONFIG_FILE = "config.json"
@@ -33,7 +34,7 @@ class LLMConfig:
     MaskedGAE, TokenPPOLoss); ``grpo``: TorchRL's GRPOLoss with the group-relative advantage
     (``group_size`` samples of each task); ``plain``: TorchRL's GAE with every token a
     transition (prompt, tool and template tokens included), same critic and loss as masked."""
-    tokens: int = 150_000
+    tokens: int = 300_000
     """Budget in sampled tokens (every generated token, end-of-turn tokens included; whole
     batches, so a run may end a batch past it)."""
     seed: int = 0
@@ -74,6 +75,13 @@ class LLMConfig:
     only the content tokens of TorchRL's assistant mask. Off, the stop decision is never
     trained, and a policy that drifts to empty turns has no trainable token left to recover."""
 
+    critic: str = "shared"
+    """masked, plain: ``shared`` (default): a value head on the policy's trunk (one forward for
+    logits and values; the value loss also trains the trunk); ``separate``: a critic model of
+    the policy's size (its own forward and backward in every step). Measured on seed 0 with the
+    other defaults: shared 22 % greedy at 120k tokens and 86 % at 260k, the update 1.25 s an
+    iteration; separate 3-8 % at 150k tokens on 3 seeds, the update 2.3 s an iteration."""
+
     # --- optimisation --------------------------------------------------------------------------
     episodes_per_batch: int = 64
     """Episodes per iteration (rollout, estimate, update)."""
@@ -101,13 +109,14 @@ class LLMConfig:
     last token is a value the critic is never trained on."""
     gamma: float = 1.0
     lmbda: float = 0.95
-    eval_every: int = 20_000
+    eval_every: int = 10_000
     """Sampled tokens between greedy evaluations and checkpoints."""
     eval_episodes: int = 128
 
     def __post_init__(self):
         _choice("estimator", self.estimator, ESTIMATORS)
         _choice("logger", self.logger, LOGGERS)
+        _choice("critic", self.critic, CRITICS)
         for name, low in (("tokens", 1), ("n_keys", 1), ("n_values", 1), ("n_queries", 1),
                           ("response_len", 2), ("max_turns", 1), ("hidden_size", 4),
                           ("num_layers", 1), ("num_heads", 1), ("max_new_tokens", 1),
@@ -152,6 +161,9 @@ class LLMConfig:
 RUNTIME_FIELDS = ("output", "threads", "progress_bar", "device", "tokens")
 """Fields a resumed run may change (a larger ``tokens`` extends a finished run, a smaller one
 ends an interrupted run sooner)."""
+
+
+_CHOICES = {"estimator": ESTIMATORS, "logger": LOGGERS, "critic": CRITICS}
 
 
 def _choice(name, value, choices):
@@ -202,9 +214,9 @@ def add_options(parser: argparse.ArgumentParser, defaults: LLMConfig, skip=()) -
         if isinstance(default, bool):
             parser.add_argument(_flag(field.name), action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
-        elif field.name in ("estimator", "logger"):
+        elif field.name in _CHOICES:
             parser.add_argument(_flag(field.name), default=argparse.SUPPRESS, help=help_text,
-                                choices=ESTIMATORS if field.name == "estimator" else LOGGERS)
+                                choices=_CHOICES[field.name])
         else:
             kind = int if field.name == "threads" else type(default)
             parser.add_argument(_flag(field.name), type=kind, default=argparse.SUPPRESS,

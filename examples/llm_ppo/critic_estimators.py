@@ -24,7 +24,9 @@ from masked_rl.llm import TokenCritic, TokenPPOLoss, compute_token_advantages, t
 from masked_rl_envs.llm_factories import make_model
 
 
-def _critic(cfg, tokenizer) -> TokenCritic:
+def _critic(cfg, model, tokenizer) -> TokenCritic:
+    if cfg.critic == "shared":
+        return TokenCritic(model)
     trunk = make_model(tokenizer, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                        num_heads=cfg.num_heads, seed=cfg.seed + 1).model
     return TokenCritic(trunk.to(cfg.device).eval())
@@ -34,7 +36,7 @@ class MaskedEstimator(nn.Module):
     def __init__(self, cfg, model, tokenizer):
         super().__init__()
         self.policy = model
-        self.critic = _critic(cfg, tokenizer)
+        self.critic = _critic(cfg, model, tokenizer)
         self.gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
         self.loss_module = TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
                                         critic_coeff=cfg.critic_coeff,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from masked_rl_examples.llm_ppo.config import LLMConfig, parse_llm_train_command
-from masked_rl_examples.llm_ppo.llm_ppo import train
+from masked_rl_examples.llm_ppo.llm_ppo import build, train
 
 TINY = dict(tokens=150, episodes_per_batch=8, group_size=4, eval_episodes=8, eval_every=100,
             epochs=1, minibatch_size=4, hidden_size=16, num_heads=2, progress_bar=False)
@@ -46,6 +46,29 @@ def test_train_runs_each_estimator_and_writes_its_run_folder(tmp_path, estimator
     assert (run_dir / "scalars" / "train" / "loss_objective.csv").is_file()
     if estimator != "grpo":
         assert (run_dir / "scalars" / "train" / "loss_critic.csv").is_file()
+
+
+@pytest.mark.parametrize("estimator", ["masked", "plain"])
+def test_critic_is_a_head_on_the_policy_trunk_or_a_model_of_its_own(tmp_path, estimator):
+    for critic in ("shared", "separate"):
+        cfg = _cfg(tmp_path / critic, estimator=estimator, critic=critic)
+        _, model, _, estimator_module, _ = build(cfg)
+        trained = {id(p) for p in estimator_module.parameters()}
+        policy = {id(p) for p in model.parameters()}
+        head = {id(p) for p in estimator_module.critic.head.parameters()}
+        assert policy <= trained and head <= trained
+        if critic == "shared":  # the policy's trunk and one linear head, nothing else
+            assert estimator_module.critic.model is model
+            assert trained == policy | head
+        else:
+            assert not {id(p) for p in estimator_module.critic.model.parameters()} & policy
+            assert len(trained) > len(policy | head)
+        if estimator == "masked":
+            assert estimator_module.loss_module.shares_trunk == (critic == "shared")
+        summary = train(cfg)
+        assert summary["status"] == "completed"
+        assert (tmp_path / critic / f"{estimator}-seed0" / "scalars" / "train" /
+                "loss_critic.csv").is_file()
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
@@ -81,6 +104,7 @@ def _masked_rl(*args, **kwargs):
 @pytest.mark.parametrize("args, message", [
     (["--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
     (["--estimator", "ppo"], "argument --estimator: invalid choice: 'ppo'"),
+    (["--critic", "both"], "argument --critic: invalid choice: 'both'"),
     (["--estimator", "grpo", "--group-size", "3"], "episodes_per_batch must be a multiple of "
                                                    "group_size=3 for grpo, got 64"),
     (["--n-queries", "5"], "n_queries must be <= n_keys=4, got 5"),
