@@ -1,4 +1,4 @@
-"""``masked-rl llm-bench``: one token-level PPO iteration against one GRPO iteration.
+"""``masked-rl llm-bench``: one token-level PPO iteration (each critic) against one GRPO iteration.
 
 Both on the chat tool-use task with the recipe's model and batch (``masked-rl llm-train``'s
 defaults unless overridden): rollout (generation on TorchRL's ``ChatEnv``), scoring pass,
@@ -24,7 +24,14 @@ from pathlib import Path
 from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, check_device,
                                                     check_writable_folder)
 
-ESTIMATORS = ("masked", "grpo")
+VARIANTS = {
+    "ppo, shared critic": dict(estimator="masked", critic="shared"),
+    "ppo, separate critic": dict(estimator="masked", critic="separate"),
+    "grpo": dict(estimator="grpo"),
+}
+"""The iterations compared: masked-GAE PPO with each critic of ``masked-rl llm-train``
+(``--critic shared``: a value head on the policy's trunk; ``separate``: a second model of the
+policy's size) and TorchRL's GRPOLoss."""
 PHASES = ("rollout", "score", "estimate", "update")
 
 
@@ -136,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"masked-rl llm-bench: {os.cpu_count()} CPUs, load average {load:.1f} before the run, "
           f"device {args.device}, {args.threads} thread(s)", file=sys.stderr)
     rows = []
-    for name in ESTIMATORS:
-        overrides = {"estimator": name, "episodes_per_batch": args.episodes, "seed": args.seed,
+    for label, variant in VARIANTS.items():
+        overrides = {**variant, "episodes_per_batch": args.episodes, "seed": args.seed,
                      "device": args.device}
         if args.epochs is not None:
             overrides["epochs"] = args.epochs
@@ -152,8 +159,7 @@ def run(args: argparse.Namespace) -> int:
         generator = torch.Generator().manual_seed(cfg.seed)
         _iteration(cfg, parts, env, generator)  # warm-up: first calls compile and allocate
         measured = [_iteration(cfg, parts, env, generator) for _ in range(args.iterations)]
-        row = {"estimator": "ppo (masked GAE)" if name == "masked" else "grpo",
-               "episodes": args.episodes, "device": args.device}
+        row = {"iteration": label, "episodes": args.episodes, "device": args.device}
         for key in measured[0]:
             row[key] = sum(m[key] for m in measured) / len(measured)
         row["iteration_s"] = sum(row[p] for p in PHASES)
@@ -176,18 +182,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'iteration':<17} {'tokens/s':>9} {'iter s':>7} {'rollout':>8} {'score':>7} "
+    head = (f"{'iteration':<21} {'tokens/s':>9} {'iter s':>7} {'rollout':>8} {'score':>7} "
             f"{'estimate':>9} {'update':>7} {'GAE/adv. ms':>12} {'share':>7}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['estimator']:<17} {r['tokens_per_s']:>9.0f} {r['iteration_s']:>7.2f} "
+        lines.append(f"{r['iteration']:<21} {r['tokens_per_s']:>9.0f} {r['iteration_s']:>7.2f} "
                      f"{r['rollout']:>8.2f} {r['score']:>7.2f} {r['estimate']:>9.3f} "
                      f"{r['update']:>7.2f} {1e3 * r['advantage']:>12.2f} "
                      f"{r['estimator_share']:>7.2%}")
-    ppo = next((r for r in rows if r["estimator"].startswith("ppo")), None)
-    if ppo is not None and "critic" in ppo:
-        lines.append(f"ppo estimate = adapter {1e3 * ppo['adapter']:.1f} ms + critic forward "
-                     f"{1e3 * ppo['critic']:.1f} ms + MaskedGAE {1e3 * ppo['advantage']:.2f} ms; "
-                     f"sampled tokens per iteration: {ppo['tokens']:.0f} "
-                     f"(transcripts {ppo['transcript_tokens']:.0f} tokens)")
+    for ppo in (r for r in rows if r["iteration"].startswith("ppo")):
+        lines.append(f"{ppo['iteration']}: estimate = adapter {1e3 * ppo['adapter']:.1f} ms + "
+                     f"critic forward {1e3 * ppo['critic']:.1f} ms + MaskedGAE "
+                     f"{1e3 * ppo['advantage']:.2f} ms; sampled tokens per iteration: "
+                     f"{ppo['tokens']:.0f} (transcripts {ppo['transcript_tokens']:.0f} tokens)")
     return "\n".join(lines)
