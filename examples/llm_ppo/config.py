@@ -59,6 +59,8 @@ class LLMConfig:
     lookup_reward: float = 0.5
     """Reward for looking up the next queried key (the environment's default is 0.1; at 0.1 the
     policy settled on answering at once, measured: 1 turn, greedy success 5 % at 200k tokens)."""
+    call_cost: float = 0.0
+    """Reward subtracted for each tool message (a served lookup or an error)."""
     partial_credit: bool = True
 
     # --- model (masked_rl_envs.llm_factories) --------------------------------------------------
@@ -128,6 +130,7 @@ class LLMConfig:
         if self.threads is not None:
             _int("threads", self.threads, 1)
         for name, low, high, low_open in (("lookup_reward", 0, math.inf, False),
+                                          ("call_cost", 0, math.inf, False),
                                           ("temperature", 0, math.inf, True),
                                           ("lr", 0, math.inf, True),
                                           ("max_grad_norm", 0, math.inf, True),

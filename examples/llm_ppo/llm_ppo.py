@@ -53,7 +53,8 @@ class Progress:
 def task_config(cfg: LLMConfig) -> ChatToolUseConfig:
     return ChatToolUseConfig(n_keys=cfg.n_keys, n_values=cfg.n_values, n_queries=cfg.n_queries,
                              response_len=cfg.response_len, max_turns=cfg.max_turns,
-                             lookup_reward=cfg.lookup_reward, partial_credit=cfg.partial_credit)
+                             lookup_reward=cfg.lookup_reward, call_cost=cfg.call_cost,
+                             partial_credit=cfg.partial_credit)
 
 
 def build(cfg: LLMConfig):

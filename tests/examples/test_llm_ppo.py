@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from masked_rl_examples.llm_ppo.config import LLMConfig, parse_llm_train_command
-from masked_rl_examples.llm_ppo.llm_ppo import build, train
+from masked_rl_examples.llm_ppo.llm_ppo import build, task_config, train
 
 TINY = dict(tokens=150, episodes_per_batch=8, group_size=4, eval_episodes=8, eval_every=100,
             epochs=1, minibatch_size=4, hidden_size=16, num_heads=2, progress_bar=False)
@@ -105,6 +105,7 @@ def _masked_rl(*args, **kwargs):
     (["--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
     (["--estimator", "ppo"], "argument --estimator: invalid choice: 'ppo'"),
     (["--critic", "both"], "argument --critic: invalid choice: 'both'"),
+    (["--call-cost", "-0.1"], "call_cost must be a finite number >= 0, got -0.1"),
     (["--estimator", "grpo", "--group-size", "3"], "episodes_per_batch must be a multiple of "
                                                    "group_size=3 for grpo, got 64"),
     (["--n-queries", "5"], "n_queries must be <= n_keys=4, got 5"),
@@ -183,3 +184,11 @@ def test_config_defaults_are_valid_and_checked():
         LLMConfig(estimator="grpo", group_size=1)
     with pytest.raises(ValueError, match="hidden_size must be divisible by num_heads=4, got 30"):
         LLMConfig(hidden_size=30)
+
+
+def test_task_options_reach_the_environment():
+    cfg = LLMConfig(call_cost=0.25, lookup_reward=0.3, max_turns=4, response_len=6)
+    task = task_config(cfg)
+    assert (task.call_cost, task.lookup_reward, task.max_turns, task.response_len) == (
+        0.25, 0.3, 4, 6)
+    assert task.oracle_return == 1.0 + 2 * (0.3 - 0.25)
