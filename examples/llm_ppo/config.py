@@ -81,9 +81,10 @@ class LLMConfig:
     critic: str = "shared"
     """masked, plain: ``shared`` (default): a value head on the policy's trunk (one forward for
     logits and values; the value loss also trains the trunk); ``separate``: a critic model of
-    the policy's size (its own forward and backward in every step). Measured on seed 0 with the
-    other defaults: shared 22 % greedy at 120k tokens and 86 % at 260k, the update 1.25 s an
-    iteration; separate 3-8 % at 150k tokens on 3 seeds, the update 2.3 s an iteration."""
+    the policy's size (its own forward and backward in every step). Measured with the other
+    defaults: shared, 100 % greedy from 270k tokens on seed 0 (25 % and 15 % at 340k on seeds 1
+    and 2), the update 1.25 s an iteration; separate, 3-8 % at 150k tokens on 3 seeds, the
+    update 2.3 s an iteration (docs/experiments.md)."""
 
     # --- optimisation --------------------------------------------------------------------------
     episodes_per_batch: int = 64

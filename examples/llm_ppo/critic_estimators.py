@@ -1,8 +1,9 @@
 """The two critic-based estimators of ``masked-rl llm-train``: masked GAE and plain token GAE.
 
-Both use masked_rl.llm's token critic (a separate causal model of the policy's size with a
-scalar head, ``V[t]`` read at position ``t - 1``) and ``TokenPPOLoss`` for the policy term at the
-assistant tokens; they differ in the advantage:
+Both use masked_rl.llm's token critic (``V[t]`` read at position ``t - 1``): a scalar head on the
+policy's trunk (``--critic shared``, the default) or on a separate causal model of the policy's
+size (``--critic separate``), and ``TokenPPOLoss`` for the policy term at the assistant tokens;
+they differ in the advantage:
 
 - ``masked``: :func:`masked_rl.llm.compute_token_advantages`: the adapter (rewards on each turn's
   closing token, done/terminated at the transcript's end) and ``MaskedGAE`` over the assistant
@@ -25,7 +26,7 @@ from masked_rl_envs.llm_factories import make_model
 
 
 def _critic(cfg, model, tokenizer) -> TokenCritic:
-    if cfg.critic == "shared":
+    if cfg.critic == "shared":  # TokenPPOLoss then reads logits and values from one forward
         return TokenCritic(model)
     trunk = make_model(tokenizer, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                        num_heads=cfg.num_heads, seed=cfg.seed + 1).model
