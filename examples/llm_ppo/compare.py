@@ -5,7 +5,8 @@ the machine's other core keeps the generation responsive), in ``<output>/<estima
 A finished run (its ``summary.json`` says ``completed`` with the asked budget) is skipped, an
 interrupted one resumed, so re-running the same command continues a comparison. Writes
 ``summary.csv`` (one row per run), ``curves.csv`` (greedy success per evaluation) and
-``curves.png`` in ``--output`` and prints a table.
+``curves.png`` in ``--output`` and prints a table; ``--report`` writes them from the runs the
+folder holds without training.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -107,7 +109,36 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def report(command: LLMCompareCommand) -> int:
+    """``--report``: the outputs from the runs already in the folder; nothing is trained."""
+    summaries, missing = [], []
+    for estimator in command.estimators:
+        for seed in command.seeds:
+            path = replace(command.base, estimator=estimator, seed=seed).run_dir() / SUMMARY_FILE
+            if path.is_file():
+                summaries.append(json.loads(path.read_text()))
+            else:
+                missing.append(f"{estimator}-seed{seed}")
+    if not summaries:
+        print(f"masked-rl llm-compare: error: {command.base.output!r} holds none of the runs",
+              file=sys.stderr)
+        return 2
+    paths = write_outputs(summaries, Path(command.base.output))
+    print(table(summaries))
+    unfinished = [f"{s['config']['estimator']}-seed{s['config']['seed']} ({s['tokens']} tokens)"
+                  for s in summaries
+                  if s["status"] != "completed" or s["tokens"] < command.base.tokens]
+    if unfinished:
+        print(f"not finished: {', '.join(unfinished)}")
+    if missing:
+        print(f"not started: {', '.join(missing)}")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def run_llm_compare_command(command: LLMCompareCommand) -> int:
+    if command.report:
+        return report(command)
     summaries = []
     for estimator in command.estimators:
         for seed in command.seeds:

@@ -295,6 +295,7 @@ class LLMCompareCommand:
     base: LLMConfig
     seeds: list[int]
     estimators: tuple[str, ...]
+    report: bool = False
 
 
 def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
@@ -310,10 +311,14 @@ def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
                         help="distinct seeds, each trained with every estimator (default: 0 1 2)")
     parser.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS),
                         help="estimators to compare (default: masked grpo plain)")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: write the table, CSVs and figure from the runs "
+                        "--output already holds (finished or interrupted), and name the others")
     defaults = LLMConfig(output="runs/llm_compare", progress_bar=False)
     add_options(parser, defaults, skip=("estimator", "seed"))
     args = vars(parser.parse_args(argv))
     seeds, estimators = args.pop("seeds"), tuple(args.pop("estimators"))
+    report = args.pop("report")
     if len(set(estimators)) != len(estimators):
         parser.error(f"--estimators must be distinct, got {' '.join(estimators)}")
     if len(set(seeds)) != len(seeds):
@@ -323,5 +328,5 @@ def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
         for seed in seeds:
             _overlay(parser, base, {"estimator": estimator, "seed": seed})
     _check_outside(parser, base, Path(base.output))
-    return LLMCompareCommand(base, list(seeds), estimators)
+    return LLMCompareCommand(base, list(seeds), estimators, report)
 

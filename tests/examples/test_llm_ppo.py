@@ -172,9 +172,24 @@ def test_compare_one_seed_writes_table_csvs_png_and_resumes(tmp_path):
     # a second call finds both runs finished and trains nothing
     mtime = (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns
     again = _masked_rl(*args)
-    assert again.returncode == 0 and again.stdout == result.stdout.replace(
-        result.stdout, again.stdout)
+    assert again.returncode == 0 and again.stdout == result.stdout
     assert (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns == mtime
+    # --report trains nothing: the outputs from the runs the folder holds, the others named
+    (tmp_path / "summary.csv").unlink()
+    report = _masked_rl(*args[:2], "1", *args[2:], "--report")
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.startswith(result.stdout.split("\nwrote ")[0])
+    assert "not started: masked-seed1, grpo-seed1" in report.stdout
+    assert "not finished" not in report.stdout
+    assert (tmp_path / "summary.csv").read_text().splitlines() == summary_rows
+    assert not (tmp_path / "masked-seed1").exists()
+    assert (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns == mtime
+    # a larger budget than the runs had: they are reported as not finished
+    larger = _masked_rl(*args, "--tokens", "100000", "--report")
+    assert "not finished: masked-seed0 (" in larger.stdout, larger.stdout
+    empty = _masked_rl("llm-compare", "--report", "--output", str(tmp_path / "empty"))
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1
+    assert "holds none of the runs" in empty.stderr
 
 
 def test_config_defaults_are_valid_and_checked():
