@@ -111,23 +111,23 @@ def table(summaries: list[dict]) -> str:
 
 def report(command: LLMCompareCommand) -> int:
     """``--report``: the outputs from the runs already in the folder; nothing is trained."""
-    summaries, missing = [], []
+    summaries, missing, unfinished = [], [], []
     for estimator in command.estimators:
         for seed in command.seeds:
-            path = replace(command.base, estimator=estimator, seed=seed).run_dir() / SUMMARY_FILE
-            if path.is_file():
-                summaries.append(json.loads(path.read_text()))
-            else:
+            cfg = replace(command.base, estimator=estimator, seed=seed)
+            path = cfg.run_dir() / SUMMARY_FILE
+            if not path.is_file():
                 missing.append(f"{estimator}-seed{seed}")
+                continue
+            summaries.append(json.loads(path.read_text()))
+            if plan(cfg)[0] != "done":
+                unfinished.append(f"{estimator}-seed{seed} ({summaries[-1]['tokens']} tokens)")
     if not summaries:
         print(f"masked-rl llm-compare: error: {command.base.output!r} holds none of the runs",
               file=sys.stderr)
         return 2
     paths = write_outputs(summaries, Path(command.base.output))
     print(table(summaries))
-    unfinished = [f"{s['config']['estimator']}-seed{s['config']['seed']} ({s['tokens']} tokens)"
-                  for s in summaries
-                  if s["status"] != "completed" or s["tokens"] < command.base.tokens]
     if unfinished:
         print(f"not finished: {', '.join(unfinished)}")
     if missing:
