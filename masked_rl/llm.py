@@ -850,7 +850,9 @@ class TokenPPOLoss(LossModule):
     the larger of it and the clipped value's), entropy term ``-entropy_coeff * H(pi(.|tokens[:t]))``.
     Each is reduced over trainable tokens only (``reduction``). A masked token is not gathered at
     all: it gets exactly zero gradient from every term, and nothing stored there (advantage,
-    old log-prob, value target, NaN included) changes the loss.
+    old log-prob, value target, NaN included) changes the loss. (``critic_tokens="every"`` is the
+    one exception, for a plain token-level GAE baseline: the value term then covers every real
+    token that has one before it.)
 
     Shape contract (input: the sequence-level ``[B]`` TensorDict of TorchRL's LLM stack):
 
@@ -891,6 +893,10 @@ class TokenPPOLoss(LossModule):
         entropy_coeff (float): Defaults to ``0.0`` (entropy still reported).
         normalize_advantage (bool): standardise advantages over the batch's trainable tokens
             (:func:`~masked_rl.masked_standardize`). Defaults to ``False``.
+        critic_tokens (str): where the value loss is taken: ``"trainable"`` (default), the
+            ``loss_mask`` tokens, as for masked GAE's targets; or ``"every"``: every real token
+            with a real token before it (every transition of a plain token-level GAE, whose
+            targets exist there), reduced over those tokens, from the same forward.
         reduction (str): ``"token_mean"`` (default): the mean over every trainable token of the
             batch; or ``"sequence_mean"``: each row's mean, then the mean over the rows that have
             a trainable token.
@@ -960,6 +966,7 @@ class TokenPPOLoss(LossModule):
         clip_value: float | None = None,
         entropy_coeff: float = 0.0,
         normalize_advantage: bool = False,
+        critic_tokens: str = "trainable",
         reduction: str = "token_mean",
         dp_group=None,
     ):
@@ -971,6 +978,8 @@ class TokenPPOLoss(LossModule):
         if reduction == "sequence_mean" and isinstance(dp_group, (list, tuple)):
             raise ValueError("reduction='sequence_mean' needs whole sequences on each rank: pass "
                              "one data-parallel dp_group, not a (cp_group, dp_group) grid")
+        if critic_tokens not in ("trainable", "every"):
+            raise ValueError(f"critic_tokens must be 'trainable' or 'every', got {critic_tokens!r}")
         if loss_critic_type not in ("l1", "l2", "smooth_l1"):
             raise ValueError(f"loss_critic_type must be 'l1', 'l2' or 'smooth_l1', got {loss_critic_type!r}")
         low, high = (clip_epsilon, clip_epsilon) if isinstance(clip_epsilon, (int, float)) else tuple(clip_epsilon)
@@ -987,6 +996,7 @@ class TokenPPOLoss(LossModule):
         self.clip_value = clip_value
         self.entropy_coeff = entropy_coeff
         self.normalize_advantage = normalize_advantage
+        self.critic_tokens = critic_tokens
         self.reduction = reduction
         self.dp_group = dp_group
 
@@ -1079,13 +1089,18 @@ class TokenPPOLoss(LossModule):
                 value, _ = self.critic_network.values_from_hidden(_last_hidden(output), attention)
             else:
                 value, _ = self.critic_network(tokens, attention)
-            value = value.squeeze(-1)[rows, cols]
-            target = per_step["value_target"][rows, cols].detach().to(value.dtype)
+            value_rows, value_cols, value_weight = rows, cols, weight
+            if self.critic_tokens == "every":
+                value_rows, value_cols = _previous_is_real(attention).nonzero(as_tuple=True)
+                value_weight = _token_weights(value_rows, tokens.shape[0], self.reduction,
+                                              self.dp_group, log_prob.dtype)
+            value = value.squeeze(-1)[value_rows, value_cols]
+            target = per_step["value_target"][value_rows, value_cols].detach().to(value.dtype)
             loss_critic = distance_loss(value, target, self.loss_critic_type)
             if self.clip_value is not None:
-                old = per_step["value"][rows, cols].detach().to(value.dtype)
+                old = per_step["value"][value_rows, value_cols].detach().to(value.dtype)
                 clipped_value = old + (value - old).clamp(-self.clip_value, self.clip_value)
                 loss_critic = torch.maximum(
                     loss_critic, distance_loss(clipped_value, target, self.loss_critic_type))
-            out["loss_critic"] = self.critic_coeff * reduce(loss_critic)
+            out["loss_critic"] = self.critic_coeff * (loss_critic * value_weight).sum()
         return TensorDict(out, batch_size=[])

@@ -106,6 +106,57 @@ def test_value_term_is_a_mean_over_trainable_tokens_only(tok, batch):
     assert out["loss_critic"].item() == pytest.approx(0.5 * sum(errors) / len(errors), rel=1e-5)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_value_term_over_every_token_is_a_mean_over_every_transition(tok, batch, shared):
+    """``critic_tokens="every"`` (plain token GAE's critic): every real token with a real token
+    before it, however the row is padded, and the policy term is unchanged."""
+    _, policy, data = batch
+    if shared:
+        critic = TokenCritic(policy)
+        with torch.no_grad():
+            critic.head.linear.weight.normal_(generator=torch.Generator().manual_seed(5))
+    else:
+        trunk = make_model(tok, hidden_size=32, num_layers=2, num_heads=2, seed=3).model.eval()
+        with torch.random.fork_rng():
+            torch.manual_seed(4)
+            critic = TokenCritic(trunk, TokenValueHead(32, zero_init=False))
+    target = data.clone()
+    target["value_target"] = torch.randn(target["value_target"].shape,
+                                         generator=torch.Generator().manual_seed(6))
+    every = TokenPPOLoss(policy, critic, critic_coeff=0.5, critic_tokens="every")(target)
+    trainable = TokenPPOLoss(policy, critic, critic_coeff=0.5)(target)
+    errors = []
+    attention = target["masks", "all_attention_mask"]
+    for b in range(attention.shape[0]):
+        real = attention[b].nonzero().flatten().tolist()
+        ids = target["tokens", "full"][b, real].unsqueeze(0)
+        with torch.no_grad():
+            value, _ = critic(ids, torch.ones_like(ids, dtype=torch.bool))
+        errors += [(value[0, i, 0] - target["value_target"][b, t, 0]).item() ** 2
+                   for i, t in enumerate(real) if i > 0]
+    assert len(errors) > 2 * int(trainable["num_trainable_tokens"])
+    assert every["loss_critic"].item() == pytest.approx(0.5 * sum(errors) / len(errors), rel=1e-5)
+    assert every["loss_critic"].item() != pytest.approx(trainable["loss_critic"].item(), rel=1e-3)
+    assert torch.equal(every["loss_objective"], trainable["loss_objective"])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(critic_tokens="all"), ValueError, r"critic_tokens must be 'trainable' or 'every', got 'all'"),
+    (dict(reduction="prompt_mean"), ValueError,
+     r"reduction must be one of \('token_mean', 'sequence_mean'\), got 'prompt_mean'"),
+    (dict(loss_critic_type="huber"), ValueError,
+     r"loss_critic_type must be 'l1', 'l2' or 'smooth_l1', got 'huber'"),
+    (dict(clip_epsilon=1.5), ValueError, r"clip_epsilon must be eps in \[0, 1\) .* got 1.5"),
+    (dict(clip_value=0.0), ValueError, r"clip_value must be None or > 0, got 0.0"),
+    (dict(critic_network=torch.nn.Linear(2, 1)), TypeError,
+     r"critic_network must be a TokenCritic, got Linear"),
+])
+def test_bad_arguments_name_the_argument_and_the_value(batch, kwargs, error, message):
+    _, policy, _ = batch
+    with pytest.raises(error, match=message):
+        TokenPPOLoss(policy, **kwargs)
+
+
 def test_nothing_stored_at_masked_tokens_changes_the_loss(batch):
     _, policy, data = batch
     loss = TokenPPOLoss(policy, clip_epsilon=EPS)

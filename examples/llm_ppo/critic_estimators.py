@@ -67,16 +67,16 @@ class MaskedEstimator(nn.Module):
 
 class PlainEstimator(MaskedEstimator):
     """TorchRL's GAE over every token; the policy term at the assistant tokens, the value loss
-    at every real token."""
+    at every real token (``critic_tokens="every"``, from the policy term's forward when the
+    critic shares the trunk)."""
 
     def __init__(self, cfg, model, tokenizer):
         super().__init__(cfg, model, tokenizer)
         self.gae = GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
-        # The policy term only: the value loss is over every real token, below.
-        self.loss_module = TokenPPOLoss(model, None, clip_epsilon=cfg.clip_epsilon,
+        self.loss_module = TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
+                                        critic_coeff=cfg.critic_coeff, critic_tokens="every",
                                         entropy_coeff=cfg.entropy_coeff,
                                         normalize_advantage=cfg.normalize_advantage)
-        self.critic_coeff = cfg.critic_coeff
 
     def prepare(self, data, rollout) -> None:
         steps = transcript_steps(data, terminated=self.terminated(rollout),
@@ -87,23 +87,10 @@ class PlainEstimator(MaskedEstimator):
             value, next_value = self.critic(steps["tokens"], steps["attention_mask"])
         steps["state_value"], steps["next", "state_value"] = value, next_value
         self.gae(steps)
-        # Every real token but a row's first (no state) is a transition with a value target.
-        real = steps["attention_mask"].bool()
-        transitions = real & torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
         data.set("loss_mask", steps["loss_mask"])
         data.set("advantage", torch.where(steps["loss_mask"].unsqueeze(-1),
                                           steps["advantage"], 0.0))
         data.set("value_target", steps["value_target"])
-        data.set("value_mask", transitions)
-
-    def loss(self, minibatch) -> dict:
-        terms = super().loss(minibatch)
-        tokens = minibatch["tokens", "full"]
-        value, _ = self.critic(tokens, minibatch["masks", "all_attention_mask"])
-        where = minibatch["value_mask"]
-        error = (value.squeeze(-1) - minibatch["value_target"].squeeze(-1))[where]
-        terms["loss_critic"] = self.critic_coeff * error.pow(2).mean()
-        return terms
 
 
 def make_critic_estimator(cfg, model, tokenizer, wrappers) -> nn.Module:
