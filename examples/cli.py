@@ -81,6 +81,15 @@ def _llm_compare(argv: list[str]) -> int:
     return run_llm_compare_command(command)
 
 
+def _llm_eval(argv: list[str]) -> int:
+    from masked_rl_examples.llm_ppo.config import parse_llm_eval_command
+
+    command = parse_llm_eval_command(argv, prog="masked-rl llm-eval")
+    from masked_rl_examples.llm_ppo.llm_ppo import run_llm_eval_command
+
+    return run_llm_eval_command(command)
+
+
 def _llm_bench(argv: list[str]) -> int:
     from masked_rl_benchmarks.llm import parse_llm_bench_args
 
@@ -102,6 +111,7 @@ _COMMANDS = {
                               "tiny causal LM on the chat tool-use task (TorchRL LLM stack)"),
     "llm-compare": (_llm_compare, "masked PPO vs GRPO vs plain token GAE over seeds: table, CSV "
                                   "and PNG (re-run to resume)"),
+    "llm-eval": (_llm_eval, "greedy success of an llm-train checkpoint, and its transcripts"),
     "llm-bench": (_llm_bench, "tokens per second of a PPO iteration against a GRPO iteration, "
                               "and the estimator's share"),
 }

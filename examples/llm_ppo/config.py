@@ -330,3 +330,62 @@ def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
     _check_outside(parser, base, Path(base.output))
     return LLMCompareCommand(base, list(seeds), estimators, report)
 
+
+
+@dataclass
+class LLMEvalCommand:
+    """What ``masked-rl llm-eval`` was asked: ``state`` is the loaded checkpoint."""
+
+    checkpoint: Path
+    state: dict
+    config: LLMConfig
+    episodes: int
+    seed: int | None
+    render: int
+    device: str
+
+
+def parse_llm_eval_command(argv=None, prog=None) -> LLMEvalCommand:
+    """The options of ``masked-rl llm-eval``, checked (one-line error and exit 2 otherwise)."""
+    parser = OneLineErrorParser(
+        prog=prog,
+        description="Greedy success of an llm-train checkpoint over N seeded episodes of its "
+        "task; --render K also prints the first K transcripts.",
+    )
+    parser.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT", type=Path,
+                        help=f"a run folder (its {CHECKPOINT_FILE}) or a checkpoint file")
+    parser.add_argument("--episodes", type=int, default=None,
+                        help="greedy episodes (default: the run's --eval-episodes)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the episodes (default: the seed of the run's own "
+                        "evaluations, so the last checkpoint reproduces its last "
+                        "eval/success_rate)")
+    parser.add_argument("--render", type=int, default=0, metavar="K",
+                        help="print the transcripts of the first K episodes (default: 0)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the run's)")
+    args = parser.parse_args(argv)
+    checkpoint = args.path / CHECKPOINT_FILE if args.path.is_dir() else args.path
+    if not checkpoint.is_file():
+        parser.error(f"{str(args.path)!r} is neither a run folder with a {CHECKPOINT_FILE} nor "
+                     "a checkpoint file")
+    from .llm_ppo import read_checkpoint  # torch, only once the options are known to be sound
+
+    try:
+        state = read_checkpoint(checkpoint)
+    except ValueError as err:
+        parser.error(str(err))
+    cfg = LLMConfig(**state["config"])
+    episodes = cfg.eval_episodes if args.episodes is None else args.episodes
+    if episodes < 1:
+        parser.error(f"--episodes must be >= 1, got {episodes}")
+    if args.seed is not None and not 0 <= args.seed <= MAX_SEED:
+        parser.error(f"--seed must be in [0, {MAX_SEED}], got {args.seed}")
+    if not 0 <= args.render <= episodes:
+        parser.error(f"--render must be in [0, --episodes={episodes}], got {args.render}")
+    device = args.device or cfg.device
+    try:
+        check_device(device)
+    except ValueError as err:
+        parser.error(str(err))
+    return LLMEvalCommand(checkpoint, state, replace(cfg, device=device), episodes, args.seed,
+                          args.render, device)

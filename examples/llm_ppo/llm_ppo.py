@@ -25,10 +25,11 @@ from masked_rl_envs.llm_factories import make_model, make_tokenizer
 from masked_rl_examples.ppo_tool_use import utils as classic_utils
 from masked_rl_examples.ppo_tool_use.config import RunFolderError, check_fresh_run_folder
 
-from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, LLMConfig, LLMTrainCommand,
-                     changed_options)
+from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, LLMConfig, LLMEvalCommand,
+                     LLMTrainCommand, changed_options)
 from .estimators import make_estimator
-from .rollout import evaluate, make_wrappers, rollout, score, trim_left_padding
+from .rollout import (episode_statistics, evaluate, make_wrappers, render_episode, rollout,
+                      score, trim_left_padding)
 
 SUCCESS_THRESHOLD = 0.9
 EVAL_SEED_OFFSET = 1_000_003
@@ -288,6 +289,29 @@ def _train(cfg: LLMConfig, run_dir: Path, checkpoint: dict | None) -> dict:
         bar.close()
     return write_summary(run_dir, cfg, progress, "interrupted" if interrupt.requested
                          else "completed")
+
+
+def run_llm_eval_command(command: LLMEvalCommand) -> int:
+    """Run ``masked-rl llm-eval``: greedy success over seeded episodes, and transcripts."""
+    cfg, state = command.config, command.state
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    tokenizer, _, wrappers, estimator, _ = build(cfg)
+    estimator.load_state_dict(state["estimator"])
+    seed = cfg.seed + EVAL_SEED_OFFSET if command.seed is None else command.seed
+    env = make_chat_tool_use_env(command.episodes, task_config(cfg), tokenizer=tokenizer, seed=seed)
+    result = rollout(env, wrappers.greedy, tokenizer.pad_token_id)
+    stats = episode_statistics(result)
+    print(f"{cfg.estimator}, seed {cfg.seed}, checkpoint at {state['progress']['tokens']} sampled "
+          f"tokens: greedy success {stats['success_rate']:.1%} over {command.episodes} episodes "
+          f"(seed {seed}), mean return {stats['episode_return']:.3f}, "
+          f"{stats['num_turns']:.2f} turns and {stats['num_tool_calls']:.2f} tool calls an episode")
+    tables, queries = env.transform.tables, env.transform.queries
+    for index in range(command.render):
+        table = " ".join(f"k{k}=v{v}" for k, v in enumerate(tables[index]))
+        asked = " ".join(f"k{k}" for k in queries[index])
+        print(f"\nepisode {index}: table {table}; asked {asked}\n{render_episode(result, index)}")
+    return 0
 
 
 def run_llm_train_command(command: LLMTrainCommand) -> int:

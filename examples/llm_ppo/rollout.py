@@ -193,10 +193,30 @@ def evaluate(policy: TransformersWrapper, config: ChatToolUseConfig, *, episodes
     """Greedy success rate (and mean return, turns, tool calls) over ``episodes`` seeded
     episodes of the task; the same episodes for every call with the same ``seed``."""
     env = make_chat_tool_use_env(episodes, config, tokenizer=tokenizer, seed=seed)
-    result = rollout(env, policy, pad_token_id)
+    return episode_statistics(rollout(env, policy, pad_token_id))
+
+
+def episode_statistics(result: Rollout) -> dict[str, float]:
+    """Success rate, mean return, turns and tool calls of a batch of episodes."""
     return {
         "success_rate": result.success.float().mean().item(),
         "episode_return": result.returns.mean().item(),
         "num_turns": result.num_turns.float().mean().item(),
         "num_tool_calls": result.num_tool_calls.float().mean().item(),
     }
+
+
+def render_episode(result: Rollout, index: int) -> str:
+    """Episode ``index`` of ``result`` as text: one ``role: content`` line per message, the
+    reward after each assistant turn, and the outcome."""
+    history = result.history[index]
+    lines, turn = [], 0
+    for role, content in zip(history.role, history.content):
+        lines.append(f"{role:>9}: {content}")
+        if role == "assistant":
+            lines[-1] += f"    [reward {result.turn_rewards[index, turn].item():+.2f}]"
+            turn += 1
+    outcome = "answered" if bool(result.terminated[index]) else "truncated (no answer)"
+    lines.append(f"return {result.returns[index].item():.2f}, {outcome}, "
+                 f"{'success' if bool(result.success[index]) else 'not all values right'}")
+    return "\n".join(lines)
