@@ -109,6 +109,9 @@ class Config:
     """Trainable steps per gradient step (masked steps never enter the replay buffer)."""
     lr: float = 2e-3
     """Adam learning rate, > 0."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over the run, batch by batch (CleanRL's PPO): each
+    batch's updates use ``lr * (1 - frames before the batch / total frames)``."""
     max_grad_norm: float = 0.5
     """Gradient-norm clipping threshold, > 0."""
     clip_epsilon: float = 0.2
@@ -174,7 +177,7 @@ class Config:
             _require_float(name, getattr(self, name), 0.0, math.inf)
         for name in ("gamma", "lmbda"):
             _require_float(name, getattr(self, name), 0.0, 1.0)
-        for name in ("progress_bar", "normalize_advantage", "bootstrap_truncated", "shared",
+        for name in ("progress_bar", "normalize_advantage", "anneal_lr", "bootstrap_truncated", "shared",
                      "skip_masked_steps", "complete_episodes", "masked_value_targets"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -409,6 +412,7 @@ def add_config_options(parser: argparse.ArgumentParser, defaults: Config, skip=(
         "epochs": "passes over each batch's trainable steps",
         "minibatch_size": "trainable steps per gradient step",
         "lr": "Adam learning rate, > 0",
+        "anneal_lr": "decay the learning rate linearly to 0 over the run (CleanRL's PPO)",
         "max_grad_norm": "gradient-norm clipping threshold, > 0",
         "clip_epsilon": "PPO ratio clipping, >= 0",
         "entropy_coeff": "weight of the entropy bonus, >= 0",

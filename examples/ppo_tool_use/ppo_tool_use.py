@@ -272,6 +272,21 @@ def training_steps(batch: TensorDictBase, cfg: Config) -> tuple[TensorDictBase, 
     return batch[trainable], None if has_target is None else batch[has_target & ~trainable]
 
 
+def annealed_lr(cfg: Config, frames_before: int) -> float:
+    """``--anneal-lr``: the learning rate of the batch collected after ``frames_before`` frames.
+
+    >>> cfg = Config(lr=1e-3, frames=64 * 16384, frames_per_batch=16384, anneal_lr=True)
+    >>> annealed_lr(cfg, 0), annealed_lr(cfg, 16 * 16384), annealed_lr(cfg, 63 * 16384)
+    (0.001, 0.00075, 1.5625e-05)
+    """
+    return cfg.lr * max(0.0, 1.0 - frames_before / cfg.total_frames)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def update(loss, optimizer, buffer: ReplayBuffer, steps: tuple[TensorDictBase, TensorDictBase | None],
            cfg: Config) -> dict | None:
     """``cfg.epochs`` passes of clipped-gradient Adam steps over the trainable steps in minibatches.
@@ -460,6 +475,8 @@ def _train(cfg: Config, run_dir: Path, checkpoint: dict | None) -> dict:
                 whole = complete(batch) if cfg.complete_episodes else batch
                 estimate_advantages(loss, whole, cfg)
                 # Update.
+                if cfg.anneal_lr:
+                    set_learning_rate(optimizer, annealed_lr(cfg, progress.frames - batch.numel()))
                 stats = update(loss, optimizer, buffer, training_steps(whole, cfg), cfg)
                 if stats is None:
                     progress.skipped_updates += 1

@@ -501,3 +501,24 @@ def test_a_finished_run_extended_to_more_frames_equals_a_run_with_that_budget(tm
     # Fewer frames than the run has is a changed option, as any other.
     with pytest.raises(ValueError, match="frames differ"):
         recipe.train(Config(**dict(RESUME_CONFIG, frames=1024), output=str(tmp_path)), resume=True)
+
+
+def test_anneal_lr_decays_the_rate_linearly_batch_by_batch(tmp_path, monkeypatch):
+    """``--anneal-lr``: batch k of n trains with ``lr * (1 - k / n)``; off, every batch has ``lr``."""
+    rates = {}
+    real_update = recipe.update
+
+    def recording_update(loss, optimizer, *args, **kwargs):
+        rates.setdefault(kwargs.get("cfg", args[-1]).anneal_lr, []).append(
+            optimizer.param_groups[0]["lr"])
+        return real_update(loss, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "update", recording_update)
+    base = dict(TINY_CONFIG, frames=2048, eval_every=2048, lr=1e-3)
+    annealed = recipe.train(Config(**base, output=str(tmp_path / "on"), anneal_lr=True))
+    constant = recipe.train(Config(**base, output=str(tmp_path / "off")))
+    assert rates[True] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    assert rates[False] == [1e-3] * 4
+    weights = [torch.load(Path(s["run_dir"]) / "checkpoint.pt", weights_only=True)["actor"]
+               for s in (annealed, constant)]
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
