@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, _flag, check_device,
-                                                    check_writable_folder)
+from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, _flag,
+                                                    add_eval_arguments, check_device,
+                                                    check_writable_folder, find_checkpoint)
 
 ESTIMATORS = ("masked", "grpo", "plain")
 CRITICS = ("separate", "shared")
@@ -352,22 +353,11 @@ def parse_llm_eval_command(argv=None, prog=None) -> LLMEvalCommand:
         description="Greedy success of an llm-train checkpoint over N seeded episodes of its "
         "task; --render K also prints the first K transcripts.",
     )
-    parser.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT", type=Path,
-                        help=f"a run folder (its {CHECKPOINT_FILE}) or a checkpoint file")
-    parser.add_argument("--episodes", type=int, default=None,
-                        help="greedy episodes (default: the run's --eval-episodes)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the episodes (default: the seed of the run's own "
-                        "evaluations, so the last checkpoint reproduces its last "
-                        "eval/success_rate)")
+    add_eval_arguments(parser, CHECKPOINT_FILE)
     parser.add_argument("--render", type=int, default=0, metavar="K",
                         help="print the transcripts of the first K episodes (default: 0)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the run's)")
     args = parser.parse_args(argv)
-    checkpoint = args.path / CHECKPOINT_FILE if args.path.is_dir() else args.path
-    if not checkpoint.is_file():
-        parser.error(f"{str(args.path)!r} is neither a run folder with a {CHECKPOINT_FILE} nor "
-                     "a checkpoint file")
+    checkpoint = find_checkpoint(parser, args.path, CHECKPOINT_FILE)
     from .llm_ppo import read_checkpoint  # torch, only once the options are known to be sound
 
     try:

@@ -715,6 +715,30 @@ class EvalCommand:
     device: str
 
 
+def add_eval_arguments(parser: argparse.ArgumentParser, checkpoint_file: str) -> None:
+    """The arguments ``masked-rl eval`` and ``llm-eval`` share: the run folder or checkpoint,
+    ``--episodes``, ``--seed`` and ``--device``."""
+    parser.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT", type=Path,
+                        help=f"a run folder (its {checkpoint_file}) or a checkpoint file")
+    parser.add_argument("--episodes", type=int, default=None,
+                        help="greedy episodes (default: the run's --eval-episodes)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the episodes (default: the seed of the run's own "
+                        "evaluations, so the last checkpoint reproduces its last "
+                        "eval/success_rate)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the run's)")
+
+
+def find_checkpoint(parser: argparse.ArgumentParser, path: Path, checkpoint_file: str) -> Path:
+    """The checkpoint ``path`` names (a run folder's ``checkpoint_file``, or the file itself);
+    a one-line parser error when there is none."""
+    checkpoint = path / checkpoint_file if path.is_dir() else path
+    if not checkpoint.is_file():
+        parser.error(f"{str(path)!r} is neither a run folder with a {checkpoint_file} nor a "
+                     "checkpoint file")
+    return checkpoint
+
+
 def parse_eval_command(argv: list[str] | None = None, prog: str | None = None) -> EvalCommand:
     """The options of ``masked-rl eval``, checked (one-line error and exit 2 otherwise)."""
     parser = OneLineErrorParser(
@@ -722,23 +746,11 @@ def parse_eval_command(argv: list[str] | None = None, prog: str | None = None) -
         description="Greedy success rate of a trained policy over N seeded episodes; --render "
         "also prints the transcript of one greedy episode.",
     )
-    parser.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT", type=Path,
-                        help=f"a run folder (its {CHECKPOINT_FILE}) or a checkpoint file")
-    parser.add_argument("--episodes", type=int, default=None,
-                        help="greedy episodes (default: the run's --eval-episodes)")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="seed of the episodes (default: the seed of the run's own "
-                        "evaluations, so the last checkpoint reproduces its last "
-                        "eval/success_rate)")
+    add_eval_arguments(parser, CHECKPOINT_FILE)
     parser.add_argument("--render", action="store_true",
                         help="print the transcript of one greedy episode (seeded with --seed)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: the run's)")
     args = parser.parse_args(argv)
-    path = args.path
-    checkpoint = path / CHECKPOINT_FILE if path.is_dir() else path
-    if not checkpoint.is_file():
-        parser.error(f"{str(path)!r} is neither a run folder with a {CHECKPOINT_FILE} nor a "
-                     "checkpoint file")
+    checkpoint = find_checkpoint(parser, args.path, CHECKPOINT_FILE)
     try:
         state, cfg = read_checkpoint(checkpoint)
     except ValueError as err:
