@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from masked_rl_examples.llm_ppo.config import LLMConfig
-from masked_rl_examples.llm_ppo.llm_ppo import train
+from masked_rl_examples.llm_ppo.config import LLMConfig, parse_llm_eval_command
+from masked_rl_examples.llm_ppo.llm_ppo import run_llm_eval_command, train
 
 TINY = dict(tokens=150, episodes_per_batch=8, eval_episodes=8, eval_every=100, epochs=1,
             minibatch_size=4, hidden_size=16, num_heads=2, progress_bar=False)
@@ -53,13 +53,17 @@ def test_eval_reproduces_the_last_evaluation_and_renders_transcripts(run):
                    for line in lines[1:-1])
 
 
-def test_eval_seed_and_episodes_change_the_episodes(run):
+def test_eval_seed_and_episodes_change_the_episodes(run, capsys):
     run_dir, _ = run
-    one = _masked_rl("llm-eval", str(run_dir), "--episodes", "3", "--seed", "5", "--render", "3")
-    two = _masked_rl("llm-eval", str(run_dir), "--episodes", "3", "--seed", "6", "--render", "3")
-    assert "over 3 episodes (seed 5)" in one.stdout and "(seed 6)" in two.stdout
-    tables = lambda out: re.findall(r"table ([^;]+);", out)  # noqa: E731
-    assert len(tables(one.stdout)) == 3 and tables(one.stdout) != tables(two.stdout)
+    outputs = []
+    for seed in ("5", "6"):
+        command = parse_llm_eval_command([str(run_dir), "--episodes", "3", "--seed", seed,
+                                          "--render", "3"])
+        assert run_llm_eval_command(command) == 0
+        outputs.append(capsys.readouterr().out)
+    assert "over 3 episodes (seed 5)" in outputs[0] and "(seed 6)" in outputs[1]
+    tables = [re.findall(r"table ([^;]+);", out) for out in outputs]
+    assert len(tables[0]) == 3 and tables[0] != tables[1]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -70,10 +74,12 @@ def test_eval_seed_and_episodes_change_the_episodes(run):
     (["{run}", "--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
     (["{run}", "--device", "tpu"], "device"),
 ])
-def test_eval_errors_are_one_line(run, args, message):
+def test_eval_errors_are_one_line(run, capsys, args, message):
     run_dir, _ = run
     paths = {"missing": run_dir / "nothing", "config": run_dir / "config.json", "run": run_dir}
-    result = _masked_rl("llm-eval", *[a.format(**paths) for a in args])
-    assert result.returncode == 2
-    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
-    assert result.stderr.startswith("masked-rl llm-eval: error: ")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_llm_eval_command([a.format(**paths) for a in args], prog="masked-rl llm-eval")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert err.startswith("masked-rl llm-eval: error: ")
