@@ -13,6 +13,10 @@ folder holding a run with other options is an error before anything runs. The fi
 Ctrl-C stops every run at the end of its batch (each writes its checkpoint and an interrupted
 summary) and exits with status 130; the same command then picks up where it stopped.
 
+``--report`` trains nothing: it writes the same outputs from the runs the folder holds, an
+interrupted run at the frames it reached, and names the runs not started or not finished (a long
+comparison runs in pieces, and each piece's figures can be committed as it ends).
+
 Run ``python compare.py --help`` from this folder, or ``masked-rl compare --help``.
 """
 
@@ -397,8 +401,65 @@ def plot(summaries: list[dict], path: Path, env_id: str) -> Path:
     return path
 
 
+def write_outputs(command: CompareCommand, summaries: list[dict]) -> list[Path]:
+    """``summary.csv``, ``curves.csv`` and ``curves.png`` (with a sweep also ``sweep.csv`` and
+    ``sweep.png``) in ``--output``; prints the table."""
+    base = command.base
+    swept = command.sweep[0] if command.sweep else None
+    output = Path(base.output)
+    written = list(write_csvs(summaries, output, swept))
+    if swept:
+        written += [write_sweep_csv(summaries, output, swept),
+                    plot_sweep(summaries, output / "sweep.png", swept, base.env)]
+    else:
+        written.append(plot(summaries, output / "curves.png", base.env))
+    frames = sorted({s["frames"] for s in summaries})
+    asked = sorted(set(command.sweep_frames or (base.frames,)))
+    option = ("--sweep-frames " + ",".join(map(str, command.sweep_frames)) if command.sweep_frames
+              else f"--frames {base.frames:,}")
+    rounded = (f" ({option} rounded up to whole batches of {base.frames_per_batch:,})"
+               if frames != asked and not command.report else "")
+    print(f"\nPPO on {base.env}, {' / '.join(f'{f:,}' for f in frames)} frames per run{rounded}, "
+          f"gamma={base.gamma}, lmbda={base.lmbda}, seeds {' '.join(map(str, command.seeds))}:\n")
+    print(table(summaries, swept))
+    return written
+
+
+def report(command: CompareCommand) -> int:
+    """``--report``: the outputs from the runs already in ``--output``; nothing is trained."""
+    try:
+        runs = plan_runs(command)  # a folder holding other options is an error here too
+    except ValueError as err:
+        print(f"masked-rl compare: error: {err}", file=sys.stderr)
+        return 2
+    summaries, unfinished, missing = [], [], []
+    for run in runs:
+        name = str(run.run_dir.relative_to(command.base.output))
+        if run.state == "done":
+            summaries.append(run.summary)
+        elif (run.run_dir / SUMMARY_FILE).is_file():  # read and checked by plan_run
+            summaries.append(json.loads((run.run_dir / SUMMARY_FILE).read_text()))
+            unfinished.append(f"{name} ({summaries[-1]['frames']:,} of "
+                              f"{run.config.total_frames:,} frames)")
+        else:
+            missing.append(name)
+    if not summaries:
+        print(f"masked-rl compare: error: {command.base.output!r} holds none of the runs "
+              "(nothing to report)", file=sys.stderr)
+        return 2
+    written = write_outputs(command, summaries)
+    if unfinished:
+        print(f"\nnot finished: {', '.join(unfinished)}")
+    if missing:
+        print(f"\nnot started: {', '.join(missing)}")
+    print(f"\nWrote {', '.join(map(str, written))}.")
+    return 0
+
+
 def run_compare_command(command: CompareCommand) -> int:
     """Run ``masked-rl compare``; returns the exit status (130 when interrupted)."""
+    if command.report:
+        return report(command)
     base = command.base
     try:
         runs = plan_runs(command)
@@ -426,25 +487,9 @@ def run_compare_command(command: CompareCommand) -> int:
         print(f"\ninterrupted: {finished} of {len(runs)} runs finished; re-run the same command "
               "to resume the others", file=sys.stderr)
         return 130
-    swept = command.sweep[0] if command.sweep else None
-    output = Path(base.output)
-    summary_path, curves_path = write_csvs(summaries, output, swept)
-    if swept:
-        written = [write_sweep_csv(summaries, output, swept),
-                   plot_sweep(summaries, output / "sweep.png", swept, base.env)]
-    else:
-        written = [plot(summaries, output / "curves.png", base.env)]
-    frames = sorted({s["frames"] for s in summaries})
-    asked = sorted(set(command.sweep_frames or (base.frames,)))
-    option = ("--sweep-frames " + ",".join(map(str, command.sweep_frames)) if command.sweep_frames
-              else f"--frames {base.frames:,}")
-    rounded = (f" ({option} rounded up to whole batches of {base.frames_per_batch:,})"
-               if frames != asked else "")
-    print(f"\nPPO on {base.env}, {' / '.join(f'{f:,}' for f in frames)} frames per run{rounded}, "
-          f"gamma={base.gamma}, lmbda={base.lmbda}, seeds {' '.join(map(str, command.seeds))}:\n")
-    print(table(summaries, swept))
+    written = write_outputs(command, summaries)
     print(f"\nTotal wall time {wall:.0f} s ({command.jobs} parallel jobs). "
-          f"Wrote {', '.join(str(p) for p in (summary_path, curves_path, *written))}.")
+          f"Wrote {', '.join(map(str, written))}.")
     return 0
 
 

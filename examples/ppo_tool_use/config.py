@@ -613,6 +613,8 @@ class CompareCommand:
     sweep: tuple[str, tuple[int, ...]] | None = None
     sweep_frames: tuple[int, ...] | None = None
     """Frames per run at each swept value (``None``: ``base.frames`` at every value)."""
+    report: bool = False
+    """Train nothing: write the outputs from the runs ``--output`` already holds."""
 
 
 def parse_sweep(text: str) -> tuple[str, tuple[int, ...]]:
@@ -657,10 +659,13 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
     parser.add_argument("--sweep-frames", metavar="F1,F2,...", default=None,
                         help="frames per run at each --sweep value, in order (default: --frames "
                         "at every value): longer episodes need more frames for as many decisions")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: write the table, CSVs and figure from the runs "
+                        "--output already holds (finished or interrupted), and name the others")
     defaults = compare_defaults()
     add_config_options(parser, defaults, skip=("estimator", "seed", *SWEEPABLE.values()))
     args = vars(parser.parse_args(argv))
-    seeds, jobs = args.pop("seeds"), args.pop("jobs")
+    seeds, jobs, report = args.pop("seeds"), args.pop("jobs"), args.pop("report")
     estimators, sweep = tuple(args.pop("estimators")), args.pop("sweep")
     sweep_frames = args.pop("sweep_frames")
     if len(set(estimators)) != len(estimators):
@@ -699,7 +704,7 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
             check_config(point, run_dir=Path(base.output))
     except ValueError as err:
         parser.error(str(err))
-    return CompareCommand(base, list(seeds), jobs, estimators, sweep, sweep_frames)
+    return CompareCommand(base, list(seeds), jobs, estimators, sweep, sweep_frames, report)
 
 
 @dataclass

@@ -376,6 +376,21 @@ def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys
     assert "re-run the same command" in capsys.readouterr().err
     assert not (tmp_path / "plain-seed7").exists() and not (tmp_path / "summary.csv").exists()
     monkeypatch.undo()
+    # --report trains nothing: the outputs from what the folder holds, the other runs named.
+    interrupted = json.loads((tmp_path / "masked-seed7" / "summary.json").read_text())
+    assert compare.main([*argv, "--report"]) == 0
+    out = capsys.readouterr().out
+    assert f"not finished: masked-seed7 ({interrupted['frames']:,} of 2,048 frames)" in out
+    assert "not started: plain-seed7" in out and "| masked | 7 |" in out
+    assert not (tmp_path / "plain-seed7").exists()
+    with (tmp_path / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["estimator"], int(r["frames"])) for r in rows] == [("masked", interrupted["frames"])]
+    with (tmp_path / "curves.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(interrupted["history"])
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert compare.main([*argv, "--report", "--output", str(tmp_path / "empty")]) == 2
+    assert "holds none of the runs" in capsys.readouterr().err
     assert compare.main(argv) == 0
     assert "reusing 0 finished run(s), resuming 1, starting 1" in capsys.readouterr().out
     for name in ("masked-seed7", "plain-seed7"):
