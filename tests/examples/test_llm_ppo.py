@@ -207,3 +207,38 @@ def test_task_options_reach_the_environment():
     assert (task.call_cost, task.lookup_reward, task.max_turns, task.response_len) == (
         0.25, 0.3, 4, 6)
     assert task.oracle_return == 1.0 + 2 * (0.3 - 0.25)
+
+
+@pytest.mark.parametrize("restrict", [True, False])
+def test_the_trained_distribution_is_the_one_generation_samples(restrict):
+    """Generation never samples the suppressed ids (``bad_words_ids``); the losses read the
+    model's own log-probs. With the restricted head (the default) the two are one distribution;
+    with Llama's plain head the scored log-probs of the very tokens sampled differ from the
+    sampler's (the mass on never-sampled ids is in them) - the bug this head fixed."""
+    from masked_rl_envs.llm_factories import make_model, make_tokenizer, suppressed_token_ids
+
+    tok = make_tokenizer(n_keys=4, n_values=4, n_filler=1)
+    model = make_model(tok, hidden_size=16, num_layers=1, num_heads=2, seed=0,
+                       restrict_vocabulary=restrict).eval()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "k1 k3"}], tokenize=True,
+                                     add_generation_prompt=True, return_dict=True,
+                                     return_tensors="pt")["input_ids"].repeat(16, 1)
+    torch.manual_seed(0)
+    out = model.generate(prompt, do_sample=True, max_new_tokens=4, top_k=len(tok),
+                         bad_words_ids=[[i] for i in suppressed_token_ids(tok)],
+                         output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    sampled = out.sequences[:, prompt.shape[1]:]
+    sampler = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, sampled[..., None])[..., 0]
+    with torch.no_grad():
+        logits = model(out.sequences).logits[:, prompt.shape[1] - 1:-1]
+    scored = logits.log_softmax(-1).gather(-1, sampled[..., None])[..., 0]
+    real = torch.isfinite(sampler)  # HF fills a finished row with pad (-inf under the processors)
+    assert real[:, 0].all()
+    mass_off = logits.softmax(-1)[..., suppressed_token_ids(tok)].sum(-1)
+    if restrict:
+        torch.testing.assert_close(scored[real], sampler[real], atol=1e-5, rtol=0)
+        assert float(mass_off.max()) == 0.0
+    else:
+        assert (scored[real] - sampler[real]).abs().max() > 0.05
+        assert float(mass_off.min()) > 0.05
