@@ -864,6 +864,12 @@ class TokenPPOLoss(LossModule):
       tokens (``log_prob[t]`` from position ``t - 1``), never generation-time ones (TorchRL's
       generate path zeroes the first response token's); :func:`token_log_probs` is this loss's
       own formula;
+    - the policy is the softmax of the model's logits over its whole vocabulary, in this loss, in
+      the scoring pass and in the entropy: it must be the distribution generation sampled from.
+      A logits processor at generation (``bad_words_ids``, top-k, top-p, a temperature other
+      than 1) that the model's own forward does not apply makes the ratio, the KL and the
+      entropy those of a policy that was never sampled (build the restriction into the model's
+      head, as ``masked_rl_envs.llm_factories.RestrictedHead`` does);
     - ``"advantage"``, ``"value_target"`` and, with ``clip_value``, ``"state_value"``:
       ``[B, T, 1]`` dense, aligned with the tokens.
 
