@@ -166,9 +166,10 @@ class RestrictedHead(nn.Linear):
     nothing ever pushes the never-sampled ids down, and an entropy bonus over the whole vocabulary
     pushes them up. (Measured before this head existed: after 240k tokens of ``llm-train`` the
     policy put more than 99.9999 % of its probability on the 8 suppressed ids at every
-    assistant token; the entropy it reported, 2.07 against ``ln 8 = 2.08``, was theirs.) With this head every forward computes the distribution
-    generation draws from. The mask is a non-persistent buffer: state dicts are those of
-    ``nn.Linear`` (``weight`` only), and the weight may stay tied to the input embeddings.
+    assistant token; the entropy it reported, 2.07 against ``ln 8 = 2.08``, was theirs.) With
+    this head every forward computes the distribution generation draws from. The mask is a
+    non-persistent buffer: state dicts are those of ``nn.Linear`` (``weight`` only), and the
+    weight may stay tied to the input embeddings.
 
     Example:
         >>> head = RestrictedHead(4, 3, suppressed=[1])
