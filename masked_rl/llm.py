@@ -65,6 +65,7 @@ __all__ = [
 
 MODES = ("history", "tokens")
 REDUCTIONS = ("token_mean", "sequence_mean")
+CRITIC_TOKENS = ("trainable", "targets", "every")
 _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -850,9 +851,10 @@ class TokenPPOLoss(LossModule):
     the larger of it and the clipped value's), entropy term ``-entropy_coeff * H(pi(.|tokens[:t]))``.
     Each is reduced over trainable tokens only (``reduction``). A masked token is not gathered at
     all: it gets exactly zero gradient from every term, and nothing stored there (advantage,
-    old log-prob, value target, NaN included) changes the loss. (``critic_tokens="every"`` is the
-    one exception, for a plain token-level GAE baseline: the value term then covers every real
-    token that has one before it.)
+    old log-prob, value target, NaN included) changes the loss. (``critic_tokens`` is the one
+    exception: ``"targets"`` takes the value term wherever the estimator wrote a target, masked
+    tokens included (``MaskedGAE(masked_value_targets=True)``), and ``"every"`` at every real
+    token, for a plain token-level GAE baseline.)
 
     Shape contract (input: the sequence-level ``[B]`` TensorDict of TorchRL's LLM stack):
 
@@ -871,7 +873,9 @@ class TokenPPOLoss(LossModule):
       entropy those of a policy that was never sampled (build the restriction into the model's
       head, as ``masked_rl_envs.llm_factories.RestrictedHead`` does);
     - ``"advantage"``, ``"value_target"`` and, with ``clip_value``, ``"state_value"``:
-      ``[B, T, 1]`` dense, aligned with the tokens.
+      ``[B, T, 1]`` dense, aligned with the tokens; with ``critic_tokens="targets"``,
+      ``"value_target_mask"`` (bool ``[B, T, 1]``, as ``MaskedGAE(masked_value_targets=True)``
+      writes it).
 
     Where it differs from TorchRL's ``GRPOLoss`` (its model): it reads the stored tokens (no
     re-templating of the history, so history and tokens mode are one path) and runs the model
@@ -900,9 +904,12 @@ class TokenPPOLoss(LossModule):
         normalize_advantage (bool): standardise advantages over the batch's trainable tokens
             (:func:`~masked_rl.masked_standardize`). Defaults to ``False``.
         critic_tokens (str): where the value loss is taken: ``"trainable"`` (default), the
-            ``loss_mask`` tokens, as for masked GAE's targets; or ``"every"``: every real token
-            with a real token before it (every transition of a plain token-level GAE, whose
-            targets exist there), reduced over those tokens, from the same forward.
+            ``loss_mask`` tokens, as for masked GAE's targets; ``"targets"``: the tokens of
+            ``value_target_mask`` (masked GAE's targets at masked tokens too: prompt, tool and
+            template tokens, SPEC's opt-in extension), a dense critic beside masked advantages;
+            or ``"every"``: every real token (every transition of a plain token-level GAE, whose
+            targets exist there). The last two leave out a row's first real token (no position
+            before it to read ``V`` from) and reduce over their own tokens, from the same forward.
         reduction (str): ``"token_mean"`` (default): the mean over every trainable token of the
             batch; or ``"sequence_mean"``: each row's mean, then the mean over the rows that have
             a trainable token.
@@ -920,7 +927,8 @@ class TokenPPOLoss(LossModule):
 
     Keys (``set_keys``): ``action`` (``("tokens", "full")``), ``attention_mask``
     (``("masks", "all_attention_mask")``), ``loss_mask`` (``"loss_mask"``), ``sample_log_prob``
-    (``("log_probs", "full")``), ``advantage``, ``value_target``, ``value`` (``"state_value"``).
+    (``("log_probs", "full")``), ``advantage``, ``value_target``, ``value`` (``"state_value"``),
+    ``value_target_mask``.
 
     Returns (``forward``): a TensorDict with ``"loss_objective"``, ``"loss_critic"`` (with a critic),
     ``"loss_entropy"`` (the terms to sum; scalars) and, detached, ``"entropy"``,
@@ -958,6 +966,7 @@ class TokenPPOLoss(LossModule):
         advantage: NestedKey = "advantage"
         value_target: NestedKey = "value_target"
         value: NestedKey = "state_value"
+        value_target_mask: NestedKey = "value_target_mask"
 
     default_keys = _AcceptedKeys
 
@@ -984,8 +993,8 @@ class TokenPPOLoss(LossModule):
         if reduction == "sequence_mean" and isinstance(dp_group, (list, tuple)):
             raise ValueError("reduction='sequence_mean' needs whole sequences on each rank: pass "
                              "one data-parallel dp_group, not a (cp_group, dp_group) grid")
-        if critic_tokens not in ("trainable", "every"):
-            raise ValueError(f"critic_tokens must be 'trainable' or 'every', got {critic_tokens!r}")
+        if critic_tokens not in CRITIC_TOKENS:
+            raise ValueError(f"critic_tokens must be one of {CRITIC_TOKENS}, got {critic_tokens!r}")
         if loss_critic_type not in ("l1", "l2", "smooth_l1"):
             raise ValueError(f"loss_critic_type must be 'l1', 'l2' or 'smooth_l1', got {loss_critic_type!r}")
         low, high = (clip_epsilon, clip_epsilon) if isinstance(clip_epsilon, (int, float)) else tuple(clip_epsilon)
@@ -1020,6 +1029,8 @@ class TokenPPOLoss(LossModule):
             out.append(keys.value_target)
             if self.clip_value is not None:
                 out.append(keys.value)
+            if self.critic_tokens == "targets":
+                out.append(keys.value_target_mask)
         return out
 
     @property
@@ -1046,6 +1057,8 @@ class TokenPPOLoss(LossModule):
             wanted["value_target"] = keys.value_target
             if self.clip_value is not None:
                 wanted["value"] = keys.value
+            if self.critic_tokens == "targets":
+                wanted["value_target_mask"] = keys.value_target_mask
         shape = tuple(entries["tokens"].shape)
         for name, key in wanted.items():
             value = data.get(key, None)
@@ -1096,8 +1109,12 @@ class TokenPPOLoss(LossModule):
             else:
                 value, _ = self.critic_network(tokens, attention)
             value_rows, value_cols, value_weight = rows, cols, weight
-            if self.critic_tokens == "every":
-                value_rows, value_cols = _previous_is_real(attention).nonzero(as_tuple=True)
+            if self.critic_tokens != "trainable":
+                where = _previous_is_real(attention)
+                if self.critic_tokens == "targets":
+                    where = where & _as_flags(self.tensor_keys.value_target_mask,
+                                              per_step["value_target_mask"])
+                value_rows, value_cols = where.nonzero(as_tuple=True)
                 value_weight = _token_weights(value_rows, tokens.shape[0], self.reduction,
                                               self.dp_group, log_prob.dtype)
             value = value.squeeze(-1)[value_rows, value_cols]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from masked_gae_reference import serial_masked_gae
+from masked_gae_reference import serial_masked_gae, serial_masked_value_targets
 from tensordict import TensorDict, lazy_stack
 from torchrl.data.llm import History
 
@@ -73,11 +73,13 @@ def _history_batch(tok, policy, chats):
 
 # -- the plain reference ------------------------------------------------------------------------
 
-def _reference_row(tok, critic, tokens, roles, turn_reward, terminated, eot_action=False):
+def _reference_row(tok, critic, tokens, roles, turn_reward, terminated, eot_action=False,
+                   masked_targets=False):
     """One transcript alone (unpadded): chatml spelled out, values from a single-row forward.
 
     Message k is ``<|im_start|> role \\n content <|im_end|> \\n``; an assistant message's content
-    tokens are its trainable steps, its ``<|im_end|>`` carries the reward of that turn.
+    tokens are its trainable steps, its ``<|im_end|>`` carries the reward of that turn. With
+    ``masked_targets``, the target is ``(value_target, has_target)`` of the masked-step extension.
     """
     start, eot = tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id
     length = len(tokens)
@@ -105,6 +107,9 @@ def _reference_row(tok, critic, tokens, roles, turn_reward, terminated, eot_acti
         per_position = critic.head.linear(hidden)[0, :, 0].tolist()
     value = [0.0] + per_position[:-1]
     advantage, target = serial_masked_gae(GAMMA, LMBDA, value, per_position, reward, done, term, mask)
+    if masked_targets:
+        target = serial_masked_value_targets(GAMMA, LMBDA, value, per_position, reward, done, term,
+                                             mask)
     return mask, reward, advantage, target
 
 
@@ -163,6 +168,31 @@ def test_generated_batch_matches_the_plain_reference_token_by_token(tok, critic,
     assert (data["advantage"].squeeze(-1)[off] == 0).all()
     assert (data["value_target"].squeeze(-1)[off] == 0).all()
     assert data["advantage"].squeeze(-1)[~off].abs().min() > 0
+
+
+def test_value_targets_at_masked_tokens_match_the_reference(tok, critic, generated):
+    """``MaskedGAE(masked_value_targets=True)`` through the adapter (a dense critic's targets):
+    the extension's target at every real token of the transcript, the advantages unchanged."""
+    played, data = generated
+    kwargs = dict(terminated=played.terminated, turn_reward=played.turn_rewards,
+                  end_of_turn_token_id=tok.eos_token_id, end_of_turn_action=True)
+    dense = compute_token_advantages(
+        data.clone(), critic,
+        MaskedGAE(gamma=GAMMA, lmbda=LMBDA, value_network=None, masked_value_targets=True), **kwargs)
+    sparse = _estimate(data.clone(), critic, **kwargs)
+    assert torch.equal(dense["advantage"], sparse["advantage"])
+    attention = dense["masks", "all_attention_mask"]
+    for b, tokens in enumerate(_real_rows(dense)):
+        _, _, _, (target, has_target) = _reference_row(
+            tok, critic, tokens, _roles(played.history, b), played.turn_rewards[b],
+            bool(played.terminated[b]), eot_action=True, masked_targets=True)
+        real = attention[b]
+        assert all(has_target)  # every row has an action: every real token gets a target
+        assert dense["value_target_mask"][b][real].squeeze(-1).tolist() == has_target
+        torch.testing.assert_close(dense["value_target"][b][real].squeeze(-1),
+                                   torch.tensor(target, dtype=torch.float32), atol=1e-5, rtol=1e-5)
+    masked = ~dense["loss_mask"] & attention
+    assert (dense["value_target"].squeeze(-1)[masked] != 0).float().mean() > 0.5
 
 
 def test_rewards_sit_on_each_assistant_turns_end_of_turn_token(tok, generated):

@@ -140,8 +140,46 @@ def test_value_term_over_every_token_is_a_mean_over_every_transition(tok, batch,
     assert torch.equal(every["loss_objective"], trainable["loss_objective"])
 
 
+def test_value_term_over_the_estimators_targets(tok, batch):
+    """``critic_tokens="targets"`` (a dense critic beside masked advantages): the mean over the
+    tokens of ``value_target_mask`` that have a real token before them; nothing stored off that
+    mask changes it, and the policy term is the same."""
+    _, policy, data = batch
+    critic = TokenCritic(policy)
+    with torch.no_grad():
+        critic.head.linear.weight.normal_(generator=torch.Generator().manual_seed(5))
+    generator = torch.Generator().manual_seed(7)
+    target = data.clone()
+    target["value_target"] = torch.randn(target["value_target"].shape, generator=generator)
+    has_target = torch.rand(target["value_target"].shape, generator=generator) < 0.6
+    has_target[:, :2] = True  # padding or a row's first token: no state, never taken
+    target["value_target_mask"] = has_target
+    loss = TokenPPOLoss(policy, critic, critic_coeff=0.5, critic_tokens="targets")
+    assert "value_target_mask" in loss.in_keys
+    out = loss(target)
+    attention = target["masks", "all_attention_mask"]
+    errors = []
+    for b in range(attention.shape[0]):
+        real = attention[b].nonzero().flatten().tolist()
+        ids = target["tokens", "full"][b, real].unsqueeze(0)
+        with torch.no_grad():
+            value, _ = critic(ids, torch.ones_like(ids, dtype=torch.bool))
+        errors += [(value[0, i, 0] - target["value_target"][b, t, 0]).item() ** 2
+                   for i, t in enumerate(real) if i > 0 and has_target[b, t, 0]]
+    assert out["loss_critic"].item() == pytest.approx(0.5 * sum(errors) / len(errors), rel=1e-5)
+    every = TokenPPOLoss(policy, critic, critic_coeff=0.5, critic_tokens="every")(target)
+    assert out["loss_critic"].item() != pytest.approx(every["loss_critic"].item(), rel=1e-3)
+    assert torch.equal(out["loss_objective"], every["loss_objective"])
+    poisoned = target.clone()
+    poisoned["value_target"] = torch.where(has_target, poisoned["value_target"], torch.nan)
+    assert torch.equal(loss(poisoned)["loss_critic"], out["loss_critic"])
+    with pytest.raises(KeyError, match=r"TokenPPOLoss needs .*value_target_mask"):
+        loss(target.exclude("value_target_mask"))
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(critic_tokens="all"), ValueError, r"critic_tokens must be 'trainable' or 'every', got 'all'"),
+    (dict(critic_tokens="all"), ValueError,
+     r"critic_tokens must be one of \('trainable', 'targets', 'every'\), got 'all'"),
     (dict(reduction="prompt_mean"), ValueError,
      r"reduction must be one of \('token_mean', 'sequence_mean'\), got 'prompt_mean'"),
     (dict(loss_critic_type="huber"), ValueError,

@@ -18,6 +18,7 @@ from masked_rl_examples.ppo_tool_use.config import (OneLineErrorParser, _flag,
 
 ESTIMATORS = ("masked", "grpo", "plain")
 CRITICS = ("separate", "shared")
+CRITIC_TOKENS = ("auto", "trainable", "every")
 LOGGERS = ("csv", "none")
 MAX_SEED = 2**32 - 1
 CONFIG_FILE = "config.json"
@@ -87,6 +88,13 @@ class LLMConfig:
     and 2), the update 1.25 s an iteration; separate, 3-8 % at 150k tokens on 3 seeds, the
     update 2.3 s an iteration (docs/experiments.md)."""
 
+    critic_tokens: str = "auto"
+    """masked, plain: where the critic's value loss is taken. ``trainable``: the assistant
+    tokens (the actions); ``every``: every real token (masked: ``MaskedGAE``'s targets at
+    masked tokens too, ``masked_value_targets=True``; the advantages are unchanged);
+    ``auto``: ``trainable`` for masked, ``every`` for plain (TorchRL's GAE has a target at
+    every token)."""
+
     # --- optimisation --------------------------------------------------------------------------
     episodes_per_batch: int = 64
     """Episodes per iteration (rollout, estimate, update)."""
@@ -122,6 +130,7 @@ class LLMConfig:
         _choice("estimator", self.estimator, ESTIMATORS)
         _choice("logger", self.logger, LOGGERS)
         _choice("critic", self.critic, CRITICS)
+        _choice("critic_tokens", self.critic_tokens, CRITIC_TOKENS)
         for name, low in (("tokens", 1), ("n_keys", 1), ("n_values", 1), ("n_queries", 1),
                           ("response_len", 2), ("max_turns", 1), ("hidden_size", 4),
                           ("num_layers", 1), ("num_heads", 1), ("max_new_tokens", 1),
@@ -160,6 +169,13 @@ class LLMConfig:
         """Samples per task in a training batch: ``group_size`` for grpo, else 1."""
         return self.group_size if self.estimator == "grpo" else 1
 
+    @property
+    def dense_critic(self) -> bool:
+        """masked, plain: whether the value loss covers every real token (``critic_tokens``)."""
+        if self.critic_tokens == "auto":
+            return self.estimator == "plain"
+        return self.critic_tokens == "every"
+
     def run_dir(self) -> Path:
         return Path(self.output) / f"{self.estimator}-seed{self.seed}"
 
@@ -169,7 +185,8 @@ RUNTIME_FIELDS = ("output", "threads", "progress_bar", "device", "tokens")
 ends an interrupted run sooner)."""
 
 
-_CHOICES = {"estimator": ESTIMATORS, "logger": LOGGERS, "critic": CRITICS}
+_CHOICES = {"estimator": ESTIMATORS, "logger": LOGGERS, "critic": CRITICS,
+            "critic_tokens": CRITIC_TOKENS}
 
 
 def _choice(name, value, choices):

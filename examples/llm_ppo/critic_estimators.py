@@ -7,10 +7,13 @@ they differ in the advantage:
 
 - ``masked``: :func:`masked_rl.llm.compute_token_advantages`: the adapter (rewards on each turn's
   closing token, done/terminated at the transcript's end) and ``MaskedGAE`` over the assistant
-  tokens only; the critic is trained on the assistant tokens' value targets.
+  tokens only; the critic is trained on the assistant tokens' value targets (with
+  ``--critic-tokens every``, on MaskedGAE's targets at every token: a dense critic beside the
+  same advantages).
 - ``plain``: the same steps through TorchRL's ``GAE``: every real token is a transition (prompt,
   tool and template tokens included, each one more ``gamma * lmbda`` between two decisions), and
-  the critic is trained on every real token's value target, as TorchRL's GAE expects.
+  the critic is trained on every real token's value target, as TorchRL's GAE expects (with
+  ``--critic-tokens trainable``, on the assistant tokens only).
 """
 
 from __future__ import annotations
@@ -38,14 +41,18 @@ class MaskedEstimator(nn.Module):
         super().__init__()
         self.policy = model
         self.critic = _critic(cfg, model, tokenizer)
-        self.gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
-        self.loss_module = TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
-                                        critic_coeff=cfg.critic_coeff,
-                                        entropy_coeff=cfg.entropy_coeff,
-                                        normalize_advantage=cfg.normalize_advantage)
+        self.gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None,
+                             masked_value_targets=cfg.dense_critic)
+        self.loss_module = self._loss(cfg, model, "targets" if cfg.dense_critic else "trainable")
         self.eos = tokenizer.eos_token_id
         self.end_of_turn_action = cfg.end_of_turn_action
         self.bootstrap_truncated = cfg.bootstrap_truncated
+
+    def _loss(self, cfg, model, critic_tokens: str) -> TokenPPOLoss:
+        return TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
+                            critic_coeff=cfg.critic_coeff, critic_tokens=critic_tokens,
+                            entropy_coeff=cfg.entropy_coeff,
+                            normalize_advantage=cfg.normalize_advantage)
 
     def terminated(self, rollout) -> torch.Tensor:
         """``[B]``: the episodes whose value after the transcript is 0 (all of them, unless
@@ -73,10 +80,7 @@ class PlainEstimator(MaskedEstimator):
     def __init__(self, cfg, model, tokenizer):
         super().__init__(cfg, model, tokenizer)
         self.gae = GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
-        self.loss_module = TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
-                                        critic_coeff=cfg.critic_coeff, critic_tokens="every",
-                                        entropy_coeff=cfg.entropy_coeff,
-                                        normalize_advantage=cfg.normalize_advantage)
+        self.loss_module = self._loss(cfg, model, "every" if cfg.dense_critic else "trainable")
 
     def prepare(self, data, rollout) -> None:
         steps = transcript_steps(data, terminated=self.terminated(rollout),

@@ -71,6 +71,23 @@ def test_critic_is_a_head_on_the_policy_trunk_or_a_model_of_its_own(tmp_path, es
                 "loss_critic.csv").is_file()
 
 
+@pytest.mark.parametrize("estimator", ["masked", "plain"])
+def test_critic_tokens_choose_where_the_value_loss_is_taken(tmp_path, estimator):
+    """``auto``: the assistant tokens for masked, every token for plain; ``every`` for masked is
+    MaskedGAE's targets at masked tokens too (the advantages unchanged)."""
+    expected = {"auto": "trainable" if estimator == "masked" else "every",
+                "trainable": "trainable",
+                "every": "targets" if estimator == "masked" else "every"}
+    for critic_tokens, loss_tokens in expected.items():
+        cfg = _cfg(tmp_path / critic_tokens, estimator=estimator, critic_tokens=critic_tokens)
+        _, _, _, estimator_module, _ = build(cfg)
+        assert estimator_module.loss_module.critic_tokens == loss_tokens
+        if estimator == "masked":
+            assert estimator_module.gae.masked_value_targets == (loss_tokens == "targets")
+    summary = train(cfg)  # the last: a dense critic, end to end
+    assert summary["status"] == "completed"
+
+
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     straight = train(_cfg(tmp_path / "a", tokens=300))
     first = train(_cfg(tmp_path / "b", tokens=150))
@@ -105,6 +122,7 @@ def _masked_rl(*args, **kwargs):
     (["--lr", "-1"], "lr must be a finite number > 0, got -1.0"),
     (["--estimator", "ppo"], "argument --estimator: invalid choice: 'ppo'"),
     (["--critic", "both"], "argument --critic: invalid choice: 'both'"),
+    (["--critic-tokens", "all"], "argument --critic-tokens: invalid choice: 'all'"),
     (["--call-cost", "-0.1"], "call_cost must be a finite number >= 0, got -0.1"),
     (["--estimator", "grpo", "--group-size", "3"], "episodes_per_batch must be a multiple of "
                                                    "group_size=3 for grpo, got 64"),
