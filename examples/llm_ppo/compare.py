@@ -20,7 +20,7 @@ from pathlib import Path
 
 from masked_rl_examples.ppo_tool_use import utils as classic_utils
 
-from .config import CHECKPOINT_FILE, SUMMARY_FILE, LLMCompareCommand, LLMConfig
+from .config import CHECKPOINT_FILE, SUMMARY_FILE, LLMCompareCommand, LLMConfig, changed_options
 from .llm_ppo import SUCCESS_THRESHOLD, train
 
 SUMMARY_COLUMNS = ("estimator", "seed", "status", "final_success_rate", "tokens_to_threshold",
@@ -28,11 +28,19 @@ SUMMARY_COLUMNS = ("estimator", "seed", "status", "final_success_rate", "tokens_
 
 
 def plan(cfg: LLMConfig) -> tuple[str, dict | None]:
-    """``("done", summary)``, ``("resume", None)`` or ``("fresh", None)`` for ``cfg``'s run."""
+    """``("done", summary)``, ``("resume", None)`` or ``("fresh", None)`` for ``cfg``'s run.
+
+    Raises ValueError where the folder holds a run made with other options (those its
+    estimator reads): its results are not ``cfg``'s.
+    """
     run_dir = cfg.run_dir()
     summary_path = run_dir / SUMMARY_FILE
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
+        changed = changed_options(LLMConfig(**summary["config"]), cfg)
+        if changed:
+            raise ValueError(f"{str(run_dir)!r} holds a run made with other options "
+                             f"({', '.join(changed)} differ): choose another --output")
         if summary["status"] == "completed" and summary["tokens"] >= cfg.tokens:
             return "done", summary
     if (run_dir / CHECKPOINT_FILE).is_file():
@@ -137,8 +145,14 @@ def report(command: LLMCompareCommand) -> int:
 
 
 def run_llm_compare_command(command: LLMCompareCommand) -> int:
-    if command.report:
-        return report(command)
+    try:
+        return report(command) if command.report else _run(command)
+    except ValueError as err:  # a folder of other runs: one line, no traceback
+        print(f"masked-rl llm-compare: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(command: LLMCompareCommand) -> int:
     summaries = []
     for estimator in command.estimators:
         for seed in command.seeds:

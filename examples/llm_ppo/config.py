@@ -110,10 +110,10 @@ class LLMConfig:
     max_grad_norm: float = 1.0
     clip_epsilon: float = 0.2
     entropy_coeff: float = 0.01
-    normalize_advantage: bool = False
-    """masked, plain: standardise the advantages over each minibatch's trainable tokens. Off by
-    default: while every reward in a batch is 0, standardising blows the critic's noise up to
-    unit scale and the policy's entropy collapsed (measured at lr 3e-4 and 1e-3)."""
+    normalize_advantage: bool = True
+    """masked, plain: standardise the advantages over each minibatch's trainable tokens (as
+    CleanRL's and Stable-Baselines3's PPO). Measured on masked seed 2 after the head fix: off,
+    greedy success stayed at 3-12 % for 340k tokens; on, 94 % at 210k (docs/experiments.md)."""
     critic_coeff: float = 0.5
     bootstrap_truncated: bool = False
     """masked, plain: bootstrap from ``V'`` where the turn budget cut an episode (TorchRL's
@@ -211,9 +211,23 @@ def _float(name, value, low, high, low_open):
         raise ValueError(f"{name} must be {expected}, got {value}")
 
 
+CRITIC_FIELDS = ("end_of_turn_action", "critic", "critic_tokens", "normalize_advantage",
+                 "critic_coeff", "bootstrap_truncated", "gamma", "lmbda")
+"""Fields only the critic-based estimators (masked, plain) read."""
+GRPO_FIELDS = ("group_size",)
+"""Fields only grpo reads."""
+
+
+def unread_fields(estimator: str) -> tuple[str, ...]:
+    """The options ``estimator``'s run never reads (changing them cannot change the run)."""
+    return CRITIC_FIELDS if estimator == "grpo" else GRPO_FIELDS
+
+
 def changed_options(saved: LLMConfig, cfg: LLMConfig) -> list[str]:
+    """The options of ``cfg`` that differ from a saved run's and that its estimator reads."""
+    ignored = set(RUNTIME_FIELDS) | set(unread_fields(cfg.estimator))
     return [f.name for f in fields(LLMConfig)
-            if f.name not in RUNTIME_FIELDS and getattr(saved, f.name) != getattr(cfg, f.name)]
+            if f.name not in ignored and getattr(saved, f.name) != getattr(cfg, f.name)]
 
 
 def read_run_config(run_dir: Path) -> LLMConfig:
