@@ -111,6 +111,21 @@ def test_resume_refuses_other_options(tmp_path):
     train(_cfg(tmp_path))
     with pytest.raises(ValueError, match="lr differ"):
         train(_cfg(tmp_path, lr=0.5), resume=True)
+    with pytest.raises(ValueError, match="normalize_advantage differ"):
+        train(_cfg(tmp_path, normalize_advantage=False), resume=True)
+
+
+def test_resume_ignores_options_the_estimator_never_reads(tmp_path):
+    """grpo reads no critic option, masked and plain no group size: changing those cannot
+    change the run, so it resumes."""
+    train(_cfg(tmp_path, estimator="grpo", tokens=100))
+    resumed = train(_cfg(tmp_path, estimator="grpo", normalize_advantage=False, critic_coeff=0.1,
+                         critic="separate", lmbda=0.5), resume=True)
+    assert resumed["status"] == "completed" and resumed["tokens"] >= TINY["tokens"]
+    train(_cfg(tmp_path, tokens=100))
+    assert train(_cfg(tmp_path, group_size=2), resume=True)["status"] == "completed"
+    with pytest.raises(ValueError, match="group_size differ"):
+        train(_cfg(tmp_path, estimator="grpo", group_size=2), resume=True)
 
 
 def _masked_rl(*args, **kwargs):
@@ -208,6 +223,14 @@ def test_compare_one_seed_writes_table_csvs_png_and_resumes(tmp_path):
     empty = _masked_rl("llm-compare", "--report", "--output", str(tmp_path / "empty"))
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1
     assert "holds none of the runs" in empty.stderr
+    # a finished run made with other options is refused, not reported as this command's;
+    # an option the estimator never reads (grpo has no critic) leaves its run valid
+    other = _masked_rl(*args, "--critic-coeff", "0.3")
+    assert other.returncode == 2 and other.stderr.count("\n") == 1, other.stderr
+    assert "masked-seed0' holds a run made with other options (critic_coeff differ)" in other.stderr
+    grpo_only = [a for a in args if a != "masked"]
+    unread = _masked_rl(*grpo_only, "--critic-coeff", "0.3", "--report")
+    assert unread.returncode == 0 and "not finished" not in unread.stdout, unread.stderr
 
 
 def test_config_defaults_are_valid_and_checked():
