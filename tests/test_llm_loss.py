@@ -106,6 +106,21 @@ def test_value_term_is_a_mean_over_trainable_tokens_only(tok, batch):
     assert out["loss_critic"].item() == pytest.approx(0.5 * sum(errors) / len(errors), rel=1e-5)
 
 
+def _squared_value_errors(critic, data, keep):
+    """``(V - value_target)^2`` at each real token but a row's first, where ``keep(b, t)``; each
+    row's values from a forward over its real tokens alone (no padding)."""
+    attention = data["masks", "all_attention_mask"]
+    errors = []
+    for b in range(attention.shape[0]):
+        real = attention[b].nonzero().flatten().tolist()
+        ids = data["tokens", "full"][b, real].unsqueeze(0)
+        with torch.no_grad():
+            value, _ = critic(ids, torch.ones_like(ids, dtype=torch.bool))
+        errors += [(value[0, i, 0] - data["value_target"][b, t, 0]).item() ** 2
+                   for i, t in enumerate(real) if i > 0 and keep(b, t)]
+    return errors
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_value_term_over_every_token_is_a_mean_over_every_transition(tok, batch, shared):
     """``critic_tokens="every"`` (plain token GAE's critic): every real token with a real token
@@ -125,15 +140,7 @@ def test_value_term_over_every_token_is_a_mean_over_every_transition(tok, batch,
                                          generator=torch.Generator().manual_seed(6))
     every = TokenPPOLoss(policy, critic, critic_coeff=0.5, critic_tokens="every")(target)
     trainable = TokenPPOLoss(policy, critic, critic_coeff=0.5)(target)
-    errors = []
-    attention = target["masks", "all_attention_mask"]
-    for b in range(attention.shape[0]):
-        real = attention[b].nonzero().flatten().tolist()
-        ids = target["tokens", "full"][b, real].unsqueeze(0)
-        with torch.no_grad():
-            value, _ = critic(ids, torch.ones_like(ids, dtype=torch.bool))
-        errors += [(value[0, i, 0] - target["value_target"][b, t, 0]).item() ** 2
-                   for i, t in enumerate(real) if i > 0]
+    errors = _squared_value_errors(critic, target, lambda b, t: True)
     assert len(errors) > 2 * int(trainable["num_trainable_tokens"])
     assert every["loss_critic"].item() == pytest.approx(0.5 * sum(errors) / len(errors), rel=1e-5)
     assert every["loss_critic"].item() != pytest.approx(trainable["loss_critic"].item(), rel=1e-3)
@@ -157,15 +164,7 @@ def test_value_term_over_the_estimators_targets(tok, batch):
     loss = TokenPPOLoss(policy, critic, critic_coeff=0.5, critic_tokens="targets")
     assert "value_target_mask" in loss.in_keys
     out = loss(target)
-    attention = target["masks", "all_attention_mask"]
-    errors = []
-    for b in range(attention.shape[0]):
-        real = attention[b].nonzero().flatten().tolist()
-        ids = target["tokens", "full"][b, real].unsqueeze(0)
-        with torch.no_grad():
-            value, _ = critic(ids, torch.ones_like(ids, dtype=torch.bool))
-        errors += [(value[0, i, 0] - target["value_target"][b, t, 0]).item() ** 2
-                   for i, t in enumerate(real) if i > 0 and has_target[b, t, 0]]
+    errors = _squared_value_errors(critic, target, lambda b, t: bool(has_target[b, t, 0]))
     assert out["loss_critic"].item() == pytest.approx(0.5 * sum(errors) / len(errors), rel=1e-5)
     every = TokenPPOLoss(policy, critic, critic_coeff=0.5, critic_tokens="every")(target)
     assert out["loss_critic"].item() != pytest.approx(every["loss_critic"].item(), rel=1e-3)
