@@ -110,10 +110,11 @@ class LLMConfig:
     max_grad_norm: float = 1.0
     clip_epsilon: float = 0.2
     entropy_coeff: float = 0.01
-    normalize_advantage: bool = True
+    normalize_advantage: bool = False
     """masked, plain: standardise the advantages over each minibatch's trainable tokens (as
-    CleanRL's and Stable-Baselines3's PPO). Measured on masked seed 2 after the head fix: off,
-    greedy success stayed at 3-12 % for 340k tokens; on, 94 % at 210k (docs/experiments.md)."""
+    CleanRL's and Stable-Baselines3's PPO). Off by default: measured on seeds 0-2 after the head
+    fix (docs/experiments.md), it changes which seeds masked GAE learns, not how many (2/3 both
+    ways), and it slows plain GAE down."""
     critic_coeff: float = 0.5
     bootstrap_truncated: bool = False
     """masked, plain: bootstrap from ``V'`` where the turn budget cut an episode (TorchRL's

@@ -112,14 +112,14 @@ def test_resume_refuses_other_options(tmp_path):
     with pytest.raises(ValueError, match="lr differ"):
         train(_cfg(tmp_path, lr=0.5), resume=True)
     with pytest.raises(ValueError, match="normalize_advantage differ"):
-        train(_cfg(tmp_path, normalize_advantage=False), resume=True)
+        train(_cfg(tmp_path, normalize_advantage=True), resume=True)
 
 
 def test_resume_ignores_options_the_estimator_never_reads(tmp_path):
     """grpo reads no critic option, masked and plain no group size: changing those cannot
     change the run, so it resumes."""
     train(_cfg(tmp_path, estimator="grpo", tokens=100))
-    resumed = train(_cfg(tmp_path, estimator="grpo", normalize_advantage=False, critic_coeff=0.1,
+    resumed = train(_cfg(tmp_path, estimator="grpo", normalize_advantage=True, critic_coeff=0.1,
                          critic="separate", lmbda=0.5), resume=True)
     assert resumed["status"] == "completed" and resumed["tokens"] >= TINY["tokens"]
     train(_cfg(tmp_path, tokens=100))
