@@ -1021,17 +1021,23 @@ class TokenPPOLoss(LossModule):
         return self.critic_network is not None and (
             self.critic_network.model is _causal_model(self.actor_network))
 
+    def _per_step_keys(self) -> dict:
+        """The dense ``[B, T, 1]`` entries this configuration reads, by name."""
+        keys = self.tensor_keys
+        wanted = {"advantage": keys.advantage}
+        if self.critic_network is not None:
+            wanted["value_target"] = keys.value_target
+            if self.clip_value is not None:
+                wanted["value"] = keys.value
+            if self.critic_tokens == "targets":
+                wanted["value_target_mask"] = keys.value_target_mask
+        return wanted
+
     @property
     def in_keys(self):
         keys = self.tensor_keys
-        out = [keys.action, keys.attention_mask, keys.loss_mask, keys.sample_log_prob, keys.advantage]
-        if self.critic_network is not None:
-            out.append(keys.value_target)
-            if self.clip_value is not None:
-                out.append(keys.value)
-            if self.critic_tokens == "targets":
-                out.append(keys.value_target_mask)
-        return out
+        return [keys.action, keys.attention_mask, keys.loss_mask, keys.sample_log_prob,
+                *self._per_step_keys().values()]
 
     @property
     def out_keys(self):
@@ -1052,15 +1058,8 @@ class TokenPPOLoss(LossModule):
         if entries["old"].requires_grad:
             raise RuntimeError(f"{keys.sample_log_prob!r} requires grad: store detached old log-probs")
         per_step = {}
-        wanted = {"advantage": keys.advantage}
-        if self.critic_network is not None:
-            wanted["value_target"] = keys.value_target
-            if self.clip_value is not None:
-                wanted["value"] = keys.value
-            if self.critic_tokens == "targets":
-                wanted["value_target_mask"] = keys.value_target_mask
         shape = tuple(entries["tokens"].shape)
-        for name, key in wanted.items():
+        for name, key in self._per_step_keys().items():
             value = data.get(key, None)
             if value is None:
                 raise KeyError(f"TokenPPOLoss needs {key!r} ([B, T, 1], dense, aligned with the "

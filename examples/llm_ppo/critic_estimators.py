@@ -37,22 +37,25 @@ def _critic(cfg, model, tokenizer) -> TokenCritic:
 
 
 class MaskedEstimator(nn.Module):
+    dense_critic_tokens = "targets"
+    """``TokenPPOLoss``'s ``critic_tokens`` for a dense critic: where this estimator's targets are."""
+
     def __init__(self, cfg, model, tokenizer):
         super().__init__()
         self.policy = model
         self.critic = _critic(cfg, model, tokenizer)
-        self.gae = MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None,
-                             masked_value_targets=cfg.dense_critic)
-        self.loss_module = self._loss(cfg, model, "targets" if cfg.dense_critic else "trainable")
+        self.gae = self._estimator(cfg)
+        self.loss_module = TokenPPOLoss(
+            model, self.critic, clip_epsilon=cfg.clip_epsilon, critic_coeff=cfg.critic_coeff,
+            critic_tokens=self.dense_critic_tokens if cfg.dense_critic else "trainable",
+            entropy_coeff=cfg.entropy_coeff, normalize_advantage=cfg.normalize_advantage)
         self.eos = tokenizer.eos_token_id
         self.end_of_turn_action = cfg.end_of_turn_action
         self.bootstrap_truncated = cfg.bootstrap_truncated
 
-    def _loss(self, cfg, model, critic_tokens: str) -> TokenPPOLoss:
-        return TokenPPOLoss(model, self.critic, clip_epsilon=cfg.clip_epsilon,
-                            critic_coeff=cfg.critic_coeff, critic_tokens=critic_tokens,
-                            entropy_coeff=cfg.entropy_coeff,
-                            normalize_advantage=cfg.normalize_advantage)
+    def _estimator(self, cfg):
+        return MaskedGAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None,
+                         masked_value_targets=cfg.dense_critic)
 
     def terminated(self, rollout) -> torch.Tensor:
         """``[B]``: the episodes whose value after the transcript is 0 (all of them, unless
@@ -77,10 +80,10 @@ class PlainEstimator(MaskedEstimator):
     at every real token (``critic_tokens="every"``, from the policy term's forward when the
     critic shares the trunk)."""
 
-    def __init__(self, cfg, model, tokenizer):
-        super().__init__(cfg, model, tokenizer)
-        self.gae = GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
-        self.loss_module = self._loss(cfg, model, "every" if cfg.dense_critic else "trainable")
+    dense_critic_tokens = "every"
+
+    def _estimator(self, cfg):
+        return GAE(gamma=cfg.gamma, lmbda=cfg.lmbda, value_network=None)
 
     def prepare(self, data, rollout) -> None:
         steps = transcript_steps(data, terminated=self.terminated(rollout),
