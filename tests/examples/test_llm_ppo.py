@@ -119,7 +119,7 @@ def test_resume_ignores_options_the_estimator_never_reads(tmp_path):
     """grpo reads no critic option, masked and plain no group size: changing those cannot
     change the run, so it resumes."""
     train(_cfg(tmp_path, estimator="grpo", tokens=100))
-    resumed = train(_cfg(tmp_path, estimator="grpo", normalize_advantage=True, critic_coeff=0.1,
+    resumed = train(_cfg(tmp_path, estimator="grpo", normalize_advantage=True, critic_coeff=0.3,
                          critic="separate", lmbda=0.5), resume=True)
     assert resumed["status"] == "completed" and resumed["tokens"] >= TINY["tokens"]
     train(_cfg(tmp_path, tokens=100))
