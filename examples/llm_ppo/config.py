@@ -113,7 +113,7 @@ class LLMConfig:
     normalize_advantage: bool = False
     """masked, plain: standardise the advantages over each minibatch's trainable tokens (as
     CleanRL's and Stable-Baselines3's PPO). Off by default: measured on seeds 0-2 after the head
-    fix (docs/experiments.md), it changes which seeds masked GAE learns, not how many (2/3 both
+    fix with ``critic_coeff=0.5`` (docs/experiments.md), it changes which seeds masked GAE learns, not how many (2/3 both
     ways), and plain GAE drops from 3/3 seeds to 1/3."""
     critic_coeff: float = 0.1
     """masked, plain: weight of the value loss. With the shared critic it also sets how hard the
