@@ -7,14 +7,16 @@ writes ``"advantage"`` and ``"value_target"`` from the same inputs as :class:`ma
 ``("next", "state_value")``). Both rewrite some inputs of an existing estimator on a shallow copy
 of the rollout (the caller's tensors are never modified) and write the results back:
 
+- :class:`PlainGAE` (``plain``): TorchRL's ``GAE``, every step a transition, with the critic run
+  once per step it reads instead of twice per step of the batch;
 - :class:`ZeroedGAE` (``zeroed``): each episode's terminal reward moved to its last trainable
   step (the outcome reward on the last response token), values and rewards multiplied by the
   mask, then TorchRL's plain ``GAE`` over every step;
 - :class:`TerminalOnlyGAE` (``terminal-only``): :class:`masked_rl.MaskedGAE` with every masked
   reward dropped except each episode's terminal one, and zero bootstrap at every episode end.
 
-The other two estimators of the experiment need no code here: ``masked`` is
-:class:`masked_rl.MaskedGAE` and ``plain`` is TorchRL's ``GAE``.
+The fourth estimator of the experiment needs no code here: ``masked`` is
+:class:`masked_rl.MaskedGAE`.
 
 This module imports only torch, tensordict, torchrl and masked_rl: copy it with the recipe.
 """
@@ -30,7 +32,7 @@ from torchrl.objectives.value import GAE
 from masked_rl import MaskedGAE
 from masked_rl.functional import check_loss_mask
 
-__all__ = ["TerminalOnlyGAE", "ZeroedGAE"]
+__all__ = ["PlainGAE", "TerminalOnlyGAE", "ZeroedGAE"]
 
 
 def _required(tensordict: TensorDictBase, key: NestedKey, estimator: str) -> Tensor:
@@ -53,7 +55,102 @@ def _write_back(tensordict: TensorDictBase, inputs: TensorDictBase, rewritten: s
             tensordict.set(key, value)
 
 
-class ZeroedGAE(GAE):
+class PlainGAE(GAE):
+    """``plain``: TorchRL's :class:`~torchrl.objectives.value.GAE` (every step a transition), its
+    critic run once per step it reads.
+
+    ``GAE`` runs the value network on every step's observation and again on every next
+    observation: two passes over the whole ``[*B, T]`` batch. On a token stream with long tool
+    outputs, and on :class:`masked_rl.CompleteEpisodes`' ``[*B, P + T]`` output (held-back steps
+    and padding included), that is most of an update's time. This estimator computes the same
+    advantages and value targets from fewer calls:
+
+    - ``V[t]`` at every valid step: ``("collector", "mask")`` where present (the steps of whole
+      episodes), else every step; ``V = 0`` elsewhere (no valid step's result reads it);
+    - ``V'[t]`` where GAE reads it (valid and not terminated): copied from ``V[t + 1]`` when the
+      next observation is step ``t + 1``'s observation (every value-network input equal), run
+      on the network only where it is not (a row's last step, a truncation); ``V' = 0`` elsewhere.
+
+    On the valid steps the results equal ``GAE``'s (tests check it on collected batches). With
+    ``shifted=True``, functional ``params``, or a recurrent critic (``"is_init"``), it is ``GAE``
+    unchanged. Arguments and keyword arguments are ``GAE``'s.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.modules import ValueOperator
+        >>> from torchrl.objectives.value import GAE
+        >>> from masked_rl_examples.ppo_tool_use.baselines import PlainGAE
+        >>> obs = torch.arange(6.0).view(1, 6, 1)      # one row: obs[t + 1] is next obs[t]
+        >>> done = torch.zeros(1, 5, 1, dtype=torch.bool); done[0, -1] = True
+        >>> td = TensorDict({"observation": obs[:, :5], "next": {
+        ...     "observation": obs[:, 1:], "reward": torch.ones(1, 5, 1), "done": done,
+        ...     "terminated": done}}, batch_size=[1, 5])
+        >>> calls = []
+        >>> critic = ValueOperator(torch.nn.Linear(1, 1), in_keys=["observation"])
+        >>> _ = critic.register_forward_hook(lambda m, i, o: calls.append(i[0].numel()))
+        >>> with torch.no_grad():
+        ...     plain = PlainGAE(gamma=0.9, lmbda=0.8, value_network=critic)(td.clone())
+        ...     reference = GAE(gamma=0.9, lmbda=0.8, value_network=critic)(td.clone())
+        >>> torch.allclose(plain["advantage"], reference["advantage"]), calls[0]  # 5 windows, not 10
+        (True, 5)
+    """
+
+    def _value_reads(self, data: TensorDictBase, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """``(steps whose V is read, steps whose V' is read)``, ``[*B, T]`` bool each."""
+        terminated = data.get(("next", self.tensor_keys.terminated), None)
+        if terminated is None:
+            terminated = _required(data, ("next", self.tensor_keys.done), type(self).__name__)
+        return valid, valid & ~terminated.reshape(valid.shape).bool()
+
+    def _call_value_nets(self, data: TensorDictBase, params, next_params, single_call: bool,
+                         value_key: NestedKey, detach_next: bool, vmap_randomness: str = "error",
+                         *, value_net=None):
+        value_net = self.value_network if value_net is None else value_net
+        in_keys = list(value_net.in_keys)
+        if single_call or params is not None or next_params is not None or "is_init" in in_keys:
+            return super()._call_value_nets(data, params, next_params, single_call, value_key,
+                                            detach_next, vmap_randomness, value_net=value_net)
+        steps = data.batch_size
+        time_dim = list(data.names).index("time") if "time" in data.names else data.ndim - 1
+        valid = data.get(("collector", "mask"), None)
+        valid = torch.ones(steps, dtype=torch.bool, device=data.device) if valid is None \
+            else valid.reshape(steps).bool()
+        root_reads, next_reads = self._value_reads(data, valid)
+        root, after = data.select(*in_keys), data.get("next").select(*in_keys)
+        value = _evaluate(value_net, root, root_reads, value_key)
+        # V'[t] is V[t + 1] where next obs [t] is obs [t + 1] and V[t + 1] was computed.
+        horizon = steps[time_dim]
+        follows = torch.zeros_like(next_reads)
+        if horizon > 1:
+            later = root.narrow(time_dim, 1, horizon - 1)
+            same = (after.narrow(time_dim, 0, horizon - 1) == later).apply(
+                lambda x: x.reshape(*later.batch_size, -1).all(-1), batch_size=later.batch_size)
+            same = torch.stack([same.get(key) for key in same.keys(True, True)]).all(0)
+            follows.narrow(time_dim, 0, horizon - 1).copy_(
+                same & root_reads.narrow(time_dim, 1, horizon - 1))
+        next_value = _evaluate(value_net, after, next_reads & ~follows, value_key)
+        shifted = torch.cat((value.narrow(time_dim, 1, horizon - 1),
+                             torch.zeros_like(value.narrow(time_dim, 0, 1))), time_dim)
+        next_value = torch.where(_expand(next_reads & follows, value), shifted, next_value)
+        data.set(value_key, value)
+        data.set(("next", value_key), next_value)
+        return value, next_value.detach() if detach_next else next_value, None
+
+
+def _expand(mask: Tensor, like: Tensor) -> Tensor:
+    return mask.reshape(*mask.shape, *(1,) * (like.ndim - mask.ndim))
+
+
+def _evaluate(network, data: TensorDictBase, where: Tensor, value_key: NestedKey) -> Tensor:
+    """The value network on the steps ``where`` ([*B, T] bool) of ``data``; 0 elsewhere."""
+    value = network(data[where]).get(value_key)
+    full = value.new_zeros((*where.shape, *value.shape[1:]))
+    full[where] = value
+    return full
+
+
+class ZeroedGAE(PlainGAE):
     """``zeroed``, the common "mask the tensors" approach of LLM RL: the outcome reward on the last
     response token, values and rewards multiplied by the mask, then TorchRL's plain GAE over every
     step; its value targets are meaningful on trainable steps only.
@@ -67,8 +164,8 @@ class ZeroedGAE(GAE):
     ``gamma * lmbda`` per step, masked or not), a masked step's value is 0 and every other reward
     of a masked step (a tool output's shaping bonus, say) is dropped. Advantages at masked steps are not 0 in general (a PPO loss over
     trainable steps ignores them). The critic's value at masked observations never enters (it is
-    multiplied by 0), so train it on trainable steps only: there its target ``A + V`` is the
-    GAE return.
+    multiplied by 0, and, as in :class:`PlainGAE`, the critic runs only where its value is kept),
+    so train it on trainable steps only: there its target ``A + V`` is the GAE return.
 
     Arguments and keyword arguments are :class:`~torchrl.objectives.value.GAE`'s; the tensor
     keys are :class:`masked_rl.MaskedGAE`'s (``set_keys(loss_mask=...)`` renames the mask, read
@@ -108,6 +205,13 @@ class ZeroedGAE(GAE):
             check_loss_mask(root, value, key=key).to(value.dtype),
             check_loss_mask(after, value, key=("next", key)).to(value.dtype),
         )
+
+    def _value_reads(self, data: TensorDictBase, valid: Tensor) -> tuple[Tensor, Tensor]:
+        # The critic runs only where its output is not multiplied by 0.
+        root_reads, next_reads = super()._value_reads(data, valid)
+        like = valid.unsqueeze(-1).float()  # [*B, T, 1], as the values
+        mask, next_mask = (m.reshape(valid.shape).bool() for m in self._masks(data, like))
+        return root_reads & mask, next_reads & next_mask
 
     def _call_value_nets(self, data: TensorDictBase, *args, **kwargs):
         # The critic's outputs, multiplied by the mask of the observation each one is read at.

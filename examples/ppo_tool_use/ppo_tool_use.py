@@ -43,7 +43,6 @@ from tensordict import TensorDictBase
 from torchrl.collectors import Collector, MultiSyncCollector
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import SamplerWithoutReplacement
-from torchrl.objectives.value import GAE
 from torchrl.record.loggers import get_logger
 
 from masked_rl import CompleteEpisodes, MaskedClipPPOLoss, SkipMaskedSteps
@@ -51,13 +50,13 @@ from masked_rl.loss import training_step_masks
 
 if __package__:  # imported, e.g. by `masked-rl train` (masked_rl_examples.ppo_tool_use)
     from . import utils
-    from .baselines import TerminalOnlyGAE, ZeroedGAE
+    from .baselines import PlainGAE, TerminalOnlyGAE, ZeroedGAE
     from .config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, Config,
                          EvalCommand, TrainCommand, changed_options, check_config,
                          RunFolderError, check_fresh_run_folder, parse_train_command)
 else:  # run as a script from this folder: python ppo_tool_use.py
     import utils
-    from baselines import TerminalOnlyGAE, ZeroedGAE
+    from baselines import PlainGAE, TerminalOnlyGAE, ZeroedGAE
     from config import (CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, Config,
                         EvalCommand, TrainCommand, changed_options, check_config,
                         RunFolderError, check_fresh_run_folder, parse_train_command)
@@ -121,8 +120,8 @@ def set_value_estimator(loss: MaskedClipPPOLoss, cfg: Config) -> None:
     critic = loss.critic_network
     if cfg.estimator == "masked":  # masked_rl.MaskedGAE: GAE over the trainable steps
         loss.make_value_estimator(**gae, masked_value_targets=cfg.masked_value_targets)
-    elif cfg.estimator == "plain":  # TorchRL's GAE: every step a transition
-        loss.make_value_estimator(GAE(**gae, value_network=critic))
+    elif cfg.estimator == "plain":  # TorchRL's GAE (every step a transition), critic once per step
+        loss.make_value_estimator(PlainGAE(**gae, value_network=critic))
     elif cfg.estimator == "zeroed":  # values and rewards multiplied by the mask, then GAE
         loss.make_value_estimator(ZeroedGAE(**gae, value_network=critic))
     elif cfg.estimator == "terminal-only":  # the reference system: terminal reward only

@@ -11,7 +11,7 @@ from torchrl.modules import ProbabilisticActor, ValueOperator
 from torchrl.objectives.value import GAE
 
 from masked_rl import MaskedClipPPOLoss
-from masked_rl_examples.ppo_tool_use.baselines import TerminalOnlyGAE, ZeroedGAE
+from masked_rl_examples.ppo_tool_use.baselines import PlainGAE, TerminalOnlyGAE, ZeroedGAE
 
 
 # --- plain serial references: one row of Python floats, read literally off the docstrings ---------
@@ -222,6 +222,74 @@ def test_installable_in_the_masked_ppo_loss(estimator_cls):
     td["action_log_prob"] = torch.full(td.batch_size, -1.4, dtype=torch.float64)
     out = loss(td)
     assert torch.isfinite(out["loss_objective"]) and torch.isfinite(out["loss_critic"])
+
+
+def collected_batches(complete: bool, batches: int = 3):
+    """Batches of ``ToolUse-v0`` from a TorchRL collector and an untrained policy: truncations (a
+    30-step budget, not terminated), rows cut mid-episode, masked tool outputs; with
+    ``complete``, :class:`masked_rl.CompleteEpisodes`' ``[B, P + T]`` output."""
+    from torchrl.collectors import Collector
+
+    from masked_rl import CompleteEpisodes
+    from masked_rl_examples.ppo_tool_use.utils import make_actor_critic, make_env
+
+    torch.manual_seed(0)
+    env = make_env("MaskedRL/ToolUse-v0", 6, max_steps=30)
+    actor, critic = make_actor_critic(env, 4, 16, 1)
+    collector = Collector(env, actor, frames_per_batch=6 * 50, total_frames=6 * 50 * batches,
+                          auto_register_policy_transforms=False)
+    episodes = CompleteEpisodes()
+    out = [episodes(batch) if complete else batch for batch in collector]
+    collector.shutdown()
+    return critic, out
+
+
+def counting(critic):
+    """``critic`` and the list of how many steps each of its calls evaluates."""
+    calls = []
+    critic.register_forward_hook(lambda module, args, output: calls.append(args[0].numel()))
+    return calls
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_plain_equals_torchrl_gae_on_collected_batches_with_one_critic_pass(complete):
+    """PlainGAE is TorchRL's GAE on every step that counts (the valid ones), with the critic run
+    once per valid step plus once per bootstrap that no later step's observation gives."""
+    critic, batches = collected_batches(complete)
+    calls = counting(critic)
+    for td in batches:
+        done, terminated = (td["next", key].squeeze(-1) for key in ("done", "terminated"))
+        assert (done & ~terminated).any()  # truncations: V' read at the next observation
+        valid = td.get(("collector", "mask"), torch.ones_like(done))
+        with torch.no_grad():
+            expected = GAE(gamma=0.95, lmbda=0.9, value_network=critic)(td.clone())
+            calls.clear()
+            out = PlainGAE(gamma=0.95, lmbda=0.9, value_network=critic)(td.clone())
+        for key in ("advantage", "value_target", "state_value"):
+            torch.testing.assert_close(out[key][valid], expected[key][valid])
+        cut = torch.zeros_like(done)
+        cut[..., -1] = ~done[..., -1]  # a row's last step, unfinished: V' from the network
+        assert sum(calls) == int(valid.sum() + (valid & ((done & ~terminated) | cut)).sum())
+        if complete:
+            assert (~valid).any() and sum(calls) < 0.6 * 2 * td.numel()  # GAE: 2 x numel
+
+
+def test_zeroed_runs_the_critic_only_where_its_values_are_not_zeroed():
+    critic, batches = collected_batches(complete=True)
+    calls = counting(critic)
+    for td in batches:
+        valid = td["collector", "mask"]
+        mask = td["loss_mask"].squeeze(-1).bool()
+        with torch.no_grad():
+            everywhere = td.clone()
+            everywhere["state_value"] = critic(td.clone())["state_value"]
+            everywhere["next", "state_value"] = critic(td["next"].clone())["state_value"]
+            expected = ZeroedGAE(gamma=0.95, lmbda=0.9, value_network=None)(everywhere)
+            calls.clear()
+            out = ZeroedGAE(gamma=0.95, lmbda=0.9, value_network=critic)(td.clone())
+        for key in ("advantage", "value_target"):
+            torch.testing.assert_close(out[key][valid], expected[key][valid])
+        assert int(mask.sum()) > 0 and sum(calls) <= int((valid & mask).sum()) + td.shape[0] * 4
 
 
 def test_renamed_mask_key_and_missing_keys():
