@@ -225,10 +225,30 @@ def groups(summaries: list[dict], swept: str | None) -> dict[tuple, list[dict]]:
     return out
 
 
+def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion ``successes / trials``: every ``p`` with
+    ``|successes / trials - p| <= z * sqrt(p * (1 - p) / trials)``, ``z`` the normal quantile.
+
+    Examples:
+        >>> from masked_rl_examples.ppo_tool_use.compare import wilson_interval
+        >>> [round(x, 3) for x in wilson_interval(5, 5)], [round(x, 3) for x in wilson_interval(1, 3)]
+        ([0.566, 1.0], [0.061, 0.792])
+    """
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got {successes}/{trials}")
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    share, spread = successes / trials, z * z / trials
+    center = (share + spread / 2) / (1 + spread)
+    half = z / (1 + spread) * (share * (1 - share) / trials + spread / (4 * trials)) ** 0.5
+    return max(0.0, center - half), min(1.0, center + half)
+
+
 def group_statistics(runs: list[dict]) -> dict:
-    """Final greedy success (mean, std, min, max) and frames to the threshold over ``runs``."""
+    """Final greedy success (mean, std, min, max), runs reaching the threshold with the 95 %
+    Wilson interval of that share, and their mean frames to it, over ``runs``."""
     success = [s["final_success_rate"] for s in runs]
     reached = [s["frames_to_threshold"] for s in runs if s["frames_to_threshold"] is not None]
+    low, high = wilson_interval(len(reached), len(runs))
     return {
         "seeds": len(runs),
         "success_mean": statistics.mean(success),
@@ -236,6 +256,8 @@ def group_statistics(runs: list[dict]) -> dict:
         "success_min": min(success),
         "success_max": max(success),
         "runs_reaching_threshold": len(reached),
+        "reaching_share_ci95_low": low,
+        "reaching_share_ci95_high": high,
         "frames_to_threshold_mean": statistics.mean(reached) if reached else None,
         "wall_time_s_mean": statistics.mean(s["wall_time_s"] for s in runs),
     }
@@ -261,10 +283,10 @@ def table(summaries: list[dict], swept: str | None = None) -> str:
     for (value, estimator), runs in groups(summaries, swept).items():
         g = group_statistics(runs)
         spread = f" ± {g['success_std']:.1%}" if g["seeds"] > 1 else ""
-        frames = (
-            f"{g['frames_to_threshold_mean']:,.0f} ({g['runs_reaching_threshold']}/{g['seeds']} runs)"
-            if g["runs_reaching_threshold"] else f"never (0/{g['seeds']} runs)"
-        )
+        share = (f"{g['runs_reaching_threshold']}/{g['seeds']} runs, 95 % CI "
+                 f"{g['reaching_share_ci95_low']:.0%}-{g['reaching_share_ci95_high']:.0%}")
+        frames = (f"{g['frames_to_threshold_mean']:,.0f} ({share})" if g["runs_reaching_threshold"]
+                  else f"never ({share})")
         lead = f"| {value} " if swept else ""
         lines.append(
             f"{lead}| **{estimator} (mean)** | {g['seeds']} seeds | {g['success_mean']:.1%}"

@@ -472,6 +472,18 @@ def test_env_overrides_grow_window_and_budget():
         Config(closing_len=0)
 
 
+@pytest.mark.parametrize("successes, trials", [(0, 3), (1, 3), (3, 3), (2, 5), (5, 5), (7, 10)])
+def test_wilson_interval_is_the_set_of_proportions_the_score_test_keeps(successes, trials):
+    """Against its definition, on a grid: the p with |k/n - p| <= 1.96 * sqrt(p (1 - p) / n)."""
+    share = successes / trials
+    kept = [i / 100_000 for i in range(100_001)
+            if abs(share - i / 100_000) <= 1.959964 * (i / 100_000 * (1 - i / 100_000) / trials) ** 0.5]
+    low, high = compare.wilson_interval(successes, trials)
+    assert low == pytest.approx(min(kept), abs=2e-5) and high == pytest.approx(max(kept), abs=2e-5)
+    with pytest.raises(ValueError, match="need 0 <= successes <= trials"):
+        compare.wilson_interval(4, 3)
+
+
 def test_compare_sweep_writes_table_csv_and_figure(tmp_path, capsys):
     argv = [*TINY, "--env", TINY_ID, "--frames", "512", "--seeds", "3", "--jobs", "1",
             "--estimators", "masked", "zeroed", "--sweep", "closing-len=1,3", "--sweep-frames",
@@ -479,6 +491,7 @@ def test_compare_sweep_writes_table_csv_and_figure(tmp_path, capsys):
     assert compare.main(argv) == 0
     out = capsys.readouterr().out
     assert "| closing-len | estimator |" in out and "| 3 | **zeroed (mean)** |" in out
+    assert "(0/1 runs, 95 % CI 0%-79%)" in out  # a tiny budget: no run reaches 90 %
     with (tmp_path / "sweep.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert [(r["closing_len"], r["estimator"]) for r in rows] == [
