@@ -119,16 +119,18 @@ class PlainGAE(GAE):
         root_reads, next_reads = self._value_reads(data, valid)
         root, after = data.select(*in_keys), data.get("next").select(*in_keys)
         value = _evaluate(value_net, root, root_reads, value_key)
-        # V'[t] is V[t + 1] where next obs [t] is obs [t + 1] and V[t + 1] was computed.
+        # V'[t] is V[t + 1] where next obs [t] is obs [t + 1] (every input equal) and V[t + 1]
+        # was computed; compared only where both are read.
         horizon = steps[time_dim]
         follows = torch.zeros_like(next_reads)
-        if horizon > 1:
-            later = root.narrow(time_dim, 1, horizon - 1)
-            same = (after.narrow(time_dim, 0, horizon - 1) == later).apply(
-                lambda x: x.reshape(*later.batch_size, -1).all(-1), batch_size=later.batch_size)
-            same = torch.stack([same.get(key) for key in same.keys(True, True)]).all(0)
-            follows.narrow(time_dim, 0, horizon - 1).copy_(
-                same & root_reads.narrow(time_dim, 1, horizon - 1))
+        candidates = (next_reads.narrow(time_dim, 0, horizon - 1)
+                      & root_reads.narrow(time_dim, 1, horizon - 1))
+        pairs = (after.narrow(time_dim, 0, horizon - 1)[candidates],
+                 root.narrow(time_dim, 1, horizon - 1)[candidates])
+        same = torch.ones(pairs[0].shape, dtype=torch.bool, device=data.device)
+        for key in pairs[0].keys(True, True):
+            same &= (pairs[0].get(key) == pairs[1].get(key)).reshape(*same.shape, -1).all(-1)
+        follows.narrow(time_dim, 0, horizon - 1)[candidates] = same
         next_value = _evaluate(value_net, after, next_reads & ~follows, value_key)
         shifted = torch.cat((value.narrow(time_dim, 1, horizon - 1),
                              torch.zeros_like(value.narrow(time_dim, 0, 1))), time_dim)
