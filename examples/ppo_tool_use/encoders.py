@@ -111,7 +111,7 @@ class AttentionWindowEncoder(nn.Module):
             features = self._encode(flat)
         else:
             features = torch.cat([self._encode(chunk) for chunk in flat.split(self.chunk_size)])
-        return features.reshape(*batch_shape, -1)
+        return features.reshape(*batch_shape, features.shape[-1])
 
     def _encode(self, tokens: Tensor) -> Tensor:
         n, width = tokens.shape
@@ -127,7 +127,7 @@ class AttentionWindowEncoder(nn.Module):
             q = q / math.sqrt(self.embed_dim)
             # scores[b, h, p] = q[b, h] . x[b, p], term by term of x = E[token] + F[previous] + P.
             pair_scores = (q @ self.token.weight.T).unsqueeze(-1) + (q @ self.previous.weight.T).unsqueeze(-2)
-            scores = (q @ self.position.T).add_(pair_scores.view(n, self.heads, -1).gather(2, pair))
+            scores = (q @ self.position.T).add_(pair_scores.view(n, self.heads, vocab * vocab).gather(2, pair))
             weights = scores.softmax(dim=-1)
             # s[b, h] = sum_p a[b, h, p] x[b, p]: the weights summed per pair id, times the tables.
             per_pair = weights.new_zeros(n, self.heads, vocab * vocab).scatter_add_(2, pair, weights)
@@ -135,5 +135,5 @@ class AttentionWindowEncoder(nn.Module):
             summary = (weights @ self.position
                        + per_pair.sum(-1) @ self.token.weight
                        + per_pair.sum(-2) @ self.previous.weight)
-            summaries.append(summary.reshape(n, -1))
+            summaries.append(summary.reshape(n, self.heads * self.embed_dim))
         return self.mlp(torch.cat(summaries, -1))

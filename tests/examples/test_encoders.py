@@ -38,14 +38,15 @@ def test_equals_plain_attention_and_its_gradients(heads, rounds, one_thread):
         torch.testing.assert_close(grad, reference_grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("batch_shape", [(), (5,), (2, 3)])
+@pytest.mark.parametrize("batch_shape", [(), (5,), (2, 3), (0,)])
 def test_shapes_and_chunks(batch_shape):
     torch.manual_seed(0)
     encoder = AttentionWindowEncoder(17, 64, 16, 32, 1, chunk_size=4)
     tokens = torch.randint(17, (*batch_shape, 64))
     out = encoder(tokens)
     assert out.shape == (*batch_shape, 32) and out.dtype == torch.float32
-    # Chunked (4 windows at a time) equals one pass over the batch.
+    # Chunked (4 windows at a time) equals one pass over the batch; no window, no feature
+    # (a value estimator may have no step to evaluate).
     one_pass = AttentionWindowEncoder(17, 64, 16, 32, 1)
     one_pass.load_state_dict(encoder.state_dict())
     torch.testing.assert_close(out, one_pass(tokens))
