@@ -128,8 +128,9 @@ class PlainGAE(GAE):
         pairs = (after.narrow(time_dim, 0, horizon - 1)[candidates],
                  root.narrow(time_dim, 1, horizon - 1)[candidates])
         same = torch.ones(pairs[0].shape, dtype=torch.bool, device=data.device)
-        for key in pairs[0].keys(True, True):
-            same &= (pairs[0].get(key) == pairs[1].get(key)).reshape(*same.shape, -1).all(-1)
+        for key in pairs[0].keys(True, True):  # [N, *F] each (N may be 0)
+            equal = pairs[0].get(key) == pairs[1].get(key)
+            same &= equal.flatten(1).all(-1) if equal.ndim > 1 else equal
         follows.narrow(time_dim, 0, horizon - 1)[candidates] = same
         next_value = _evaluate(value_net, after, next_reads & ~follows, value_key)
         shifted = torch.cat((value.narrow(time_dim, 1, horizon - 1),

@@ -247,7 +247,7 @@ def collected_batches(complete: bool, batches: int = 3):
 def counting(critic):
     """``critic`` and the list of how many steps each of its calls evaluates."""
     calls = []
-    critic.register_forward_hook(lambda module, args, output: calls.append(args[0].numel()))
+    critic.register_forward_hook(lambda module, args, output: calls.append(args[0].batch_size.numel()))
     return calls
 
 
@@ -272,6 +272,22 @@ def test_plain_equals_torchrl_gae_on_collected_batches_with_one_critic_pass(comp
         assert sum(calls) == int(valid.sum() + (valid & ((done & ~terminated) | cut)).sum())
         if complete:
             assert (~valid).any() and sum(calls) < 0.6 * 2 * td.numel()  # GAE: 2 x numel
+
+
+def test_plain_on_a_multi_worker_batch_and_on_one_without_a_valid_step():
+    """A ``[workers, envs, T]`` batch equals GAE on its valid steps; a batch with no valid step
+    (no episode ended yet) evaluates nothing and gives finite outputs."""
+    critic, batches = collected_batches(complete=True, batches=1)
+    td = torch.stack([batches[0][:3], batches[0][3:]])  # [2, 3, P + T], as two workers
+    valid = td["collector", "mask"]
+    with torch.no_grad():
+        expected = GAE(gamma=0.95, lmbda=0.9, value_network=critic)(td.clone())
+        out = PlainGAE(gamma=0.95, lmbda=0.9, value_network=critic)(td.clone())
+        torch.testing.assert_close(out["advantage"][valid], expected["advantage"][valid])
+        td["collector", "mask"] = torch.zeros_like(valid)
+        calls = counting(critic)
+        out = PlainGAE(gamma=0.95, lmbda=0.9, value_network=critic)(td)
+    assert sum(calls) == 0 and torch.isfinite(out["advantage"]).all()
 
 
 def test_zeroed_runs_the_critic_only_where_its_values_are_not_zeroed():
