@@ -28,13 +28,15 @@ SUMMARY_COLUMNS = ("estimator", "seed", "status", "final_success_rate", "tokens_
 
 
 def plan(cfg: LLMConfig) -> tuple[str, dict | None]:
-    """``("done", summary)``, ``("resume", None)`` or ``("fresh", None)`` for ``cfg``'s run.
+    """``("done", summary)``, ``("resume", summary or None)`` or ``("fresh", None)`` for
+    ``cfg``'s run; a resumed run's summary is that of its interruption, or of a smaller budget.
 
     Raises ValueError where the folder holds a run made with other options (those its
     estimator reads): its results are not ``cfg``'s.
     """
     run_dir = cfg.run_dir()
     summary_path = run_dir / SUMMARY_FILE
+    summary = None
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
         changed = changed_options(LLMConfig(**summary["config"]), cfg)
@@ -44,7 +46,7 @@ def plan(cfg: LLMConfig) -> tuple[str, dict | None]:
         if summary["status"] == "completed" and summary["tokens"] >= cfg.tokens:
             return "done", summary
     if (run_dir / CHECKPOINT_FILE).is_file():
-        return "resume", None
+        return "resume", summary
     return "fresh", None
 
 
@@ -123,21 +125,25 @@ def report(command: LLMCompareCommand) -> int:
     for estimator in command.estimators:
         for seed in command.seeds:
             cfg = replace(command.base, estimator=estimator, seed=seed)
-            path = cfg.run_dir() / SUMMARY_FILE
-            if not path.is_file():
-                missing.append(f"{estimator}-seed{seed}")
-                continue
-            summaries.append(json.loads(path.read_text()))
-            if plan(cfg)[0] != "done":
-                unfinished.append(f"{estimator}-seed{seed} ({summaries[-1]['tokens']} tokens)")
+            state, summary = plan(cfg)
+            name = f"{estimator}-seed{seed}"
+            if state == "done":
+                summaries.append(summary)
+            elif state == "resume":  # left out: its figures are not those of the asked budget
+                reached = (f"{summary['tokens']:,} of {cfg.tokens:,} tokens" if summary
+                           else "a checkpoint, no summary")
+                unfinished.append(f"{name} ({reached})")
+            else:
+                missing.append(name)
     if not summaries:
-        print(f"masked-rl llm-compare: error: {command.base.output!r} holds none of the runs",
+        print(f"masked-rl llm-compare: error: {command.base.output!r} holds no finished run of "
+              f"this comparison (nothing to report{classic_utils.runs_left_out(unfinished, missing)})",
               file=sys.stderr)
         return 2
     paths = write_outputs(summaries, Path(command.base.output))
     print(table(summaries))
     if unfinished:
-        print(f"not finished: {', '.join(unfinished)}")
+        print(f"not finished, left out: {', '.join(unfinished)}")
     if missing:
         print(f"not started: {', '.join(missing)}")
     print("wrote " + ", ".join(str(p) for p in paths))

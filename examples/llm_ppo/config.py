@@ -350,8 +350,8 @@ def parse_llm_compare_command(argv=None, prog=None) -> LLMCompareCommand:
     parser.add_argument("--estimators", nargs="+", choices=ESTIMATORS, default=list(ESTIMATORS),
                         help="estimators to compare (default: masked grpo plain)")
     parser.add_argument("--report", action="store_true",
-                        help="train nothing: write the table, CSVs and figure from the runs "
-                        "--output already holds (finished or interrupted), and name the others")
+                        help="train nothing: write the table, CSVs and figure from the finished "
+                        "runs --output holds, and name the runs not finished or not started")
     defaults = LLMConfig(output="runs/llm_compare", progress_bar=False)
     add_options(parser, defaults, skip=("estimator", "seed"))
     args = vars(parser.parse_args(argv))

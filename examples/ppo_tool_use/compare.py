@@ -60,7 +60,8 @@ class PlannedRun:
     state: str
     """``"fresh"`` (train from scratch), ``"resume"`` (from its checkpoint) or ``"done"``."""
     summary: dict | None = None
-    """The finished run's summary (``state == "done"``)."""
+    """The summary the folder holds: the finished run's (``state == "done"``), else that of a
+    run interrupted or finished with fewer frames, or ``None``."""
 
 
 def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
@@ -75,6 +76,7 @@ def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
         raise ValueError(f"{str(run_dir)!r} holds a run with other options ({', '.join(changed)} "
                          "differ): use another --output, or delete that folder")
     summary_path = run_dir / SUMMARY_FILE
+    summary = None
     if summary_path.is_file():
         try:
             summary = json.loads(summary_path.read_text())
@@ -86,8 +88,8 @@ def plan_run(cfg: Config, run_dir: Path) -> PlannedRun:
         if finished and total_frames >= cfg.total_frames:
             return PlannedRun(cfg, run_dir, "done", summary)
     if (run_dir / CHECKPOINT_FILE).is_file():
-        return PlannedRun(cfg, run_dir, "resume")
-    return PlannedRun(cfg, run_dir, "fresh")
+        return PlannedRun(cfg, run_dir, "resume", summary)
+    return PlannedRun(cfg, run_dir, "fresh", summary)
 
 
 def sweep_points(command: CompareCommand) -> list[tuple[int | None, Config]]:
@@ -459,19 +461,20 @@ def report(command: CompareCommand) -> int:
         name = str(run.run_dir.relative_to(command.base.output))
         if run.state == "done":
             summaries.append(run.summary)
-        elif (run.run_dir / SUMMARY_FILE).is_file():  # read and checked by plan_run
-            summaries.append(json.loads((run.run_dir / SUMMARY_FILE).read_text()))
-            unfinished.append(f"{name} ({summaries[-1]['frames']:,} of "
-                              f"{run.config.total_frames:,} frames)")
+        elif run.state == "resume":  # left out: its figures are not those of the asked budget
+            reached = (f"{run.summary['frames']:,} of {run.config.total_frames:,} frames"
+                       if run.summary else "a checkpoint, no summary")
+            unfinished.append(f"{name} ({reached})")
         else:
             missing.append(name)
     if not summaries:
-        print(f"masked-rl compare: error: {command.base.output!r} holds none of the runs "
-              "(nothing to report)", file=sys.stderr)
+        print(f"masked-rl compare: error: {command.base.output!r} holds no finished run of this "
+              f"comparison (nothing to report{utils.runs_left_out(unfinished, missing)})",
+              file=sys.stderr)
         return 2
     written = write_outputs(command, summaries)
     if unfinished:
-        print(f"\nnot finished: {', '.join(unfinished)}")
+        print(f"\nnot finished, left out: {', '.join(unfinished)}")
     if missing:
         print(f"\nnot started: {', '.join(missing)}")
     print(f"\nWrote {', '.join(map(str, written))}.")

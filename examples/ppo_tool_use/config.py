@@ -660,8 +660,8 @@ def parse_compare_command(argv: list[str] | None = None, prog: str | None = None
                         help="frames per run at each --sweep value, in order (default: --frames "
                         "at every value): longer episodes need more frames for as many decisions")
     parser.add_argument("--report", action="store_true",
-                        help="train nothing: write the table, CSVs and figure from the runs "
-                        "--output already holds (finished or interrupted), and name the others")
+                        help="train nothing: write the table, CSVs and figure from the finished "
+                        "runs --output holds, and name the runs not finished or not started")
     defaults = compare_defaults()
     add_config_options(parser, defaults, skip=("estimator", "seed", *SWEEPABLE.values()))
     args = vars(parser.parse_args(argv))

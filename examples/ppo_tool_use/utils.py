@@ -472,3 +472,10 @@ def legend(ax, **kwargs) -> None:
     handles, _ = ax.get_legend_handles_labels()
     if handles:
         ax.legend(**kwargs)
+
+
+def runs_left_out(unfinished: list[str], missing: list[str]) -> str:
+    """``"; not finished: a, b; not started: c"`` for a report's error line (``""`` if none):
+    the runs of a comparison that its ``--report`` cannot count."""
+    return "".join(f"; {what}: {', '.join(names)}" for what, names in
+                   (("not finished", unfinished), ("not started", missing)) if names)

@@ -218,11 +218,16 @@ def test_compare_one_seed_writes_table_csvs_png_and_resumes(tmp_path):
     assert not (tmp_path / "masked-seed1").exists()
     assert (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns == mtime
     # a larger budget than the runs had: they are reported as not finished
+    # a larger budget than the runs had: not finished, so left out of every figure; with none
+    # finished there is nothing to report, and the one-line error names what the folder holds
     larger = _masked_rl(*args, "--tokens", "100000", "--report")
-    assert "not finished: masked-seed0 (" in larger.stdout, larger.stdout
+    assert larger.returncode == 2 and larger.stderr.count("\n") == 1, larger.stderr
+    assert "holds no finished run of this comparison" in larger.stderr
+    assert "not finished: masked-seed0 (" in larger.stderr and " of 100,000 tokens)" in larger.stderr
+    assert (tmp_path / "summary.csv").read_text().splitlines() == summary_rows
     empty = _masked_rl("llm-compare", "--report", "--output", str(tmp_path / "empty"))
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1
-    assert "holds none of the runs" in empty.stderr
+    assert "holds no finished run" in empty.stderr
     # a finished run made with other options is refused, not reported as this command's;
     # an option the estimator never reads (grpo has no critic) leaves its run valid
     other = _masked_rl(*args, "--critic-coeff", "0.3")

@@ -371,28 +371,39 @@ def test_masked_rl_compare_smoke_and_rerun(tmp_path):
 
 def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys):
     argv = [*TINY, "--frames", "2048", "--seeds", "7", "--jobs", "1", "--output", str(tmp_path)]
-    at_batch(monkeypatch, 2, send_sigint)  # in the first run (masked, seed 7)
+    at_batch(monkeypatch, 6, send_sigint)  # 4 batches a run: in the second (plain, seed 7)
     assert compare.main(argv) == 130
     assert "re-run the same command" in capsys.readouterr().err
-    assert not (tmp_path / "plain-seed7").exists() and not (tmp_path / "summary.csv").exists()
+    assert not (tmp_path / "summary.csv").exists()
     monkeypatch.undo()
-    # --report trains nothing: the outputs from what the folder holds, the other runs named.
-    interrupted = json.loads((tmp_path / "masked-seed7" / "summary.json").read_text())
+    # --report trains nothing: the outputs from the finished runs, the interrupted one named and
+    # left out (its figures are those of fewer frames than the others').
+    interrupted = json.loads((tmp_path / "plain-seed7" / "summary.json").read_text())
+    assert interrupted["status"] == "interrupted" and interrupted["frames"] < 2048
+    checkpoint = (tmp_path / "plain-seed7" / "checkpoint.pt").read_bytes()
     assert compare.main([*argv, "--report"]) == 0
     out = capsys.readouterr().out
-    assert f"not finished: masked-seed7 ({interrupted['frames']:,} of 2,048 frames)" in out
-    assert "not started: plain-seed7" in out and "| masked | 7 |" in out
-    assert not (tmp_path / "plain-seed7").exists()
+    assert f"not finished, left out: plain-seed7 ({interrupted['frames']:,} of 2,048 frames)" in out
+    assert "| masked | 7 |" in out and "| plain |" not in out
     with (tmp_path / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert [(r["estimator"], int(r["frames"])) for r in rows] == [("masked", interrupted["frames"])]
+    assert [(r["estimator"], int(r["frames"])) for r in rows] == [("masked", 2048)]
+    finished = json.loads((tmp_path / "masked-seed7" / "summary.json").read_text())
     with (tmp_path / "curves.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == len(interrupted["history"])
+        assert {r["estimator"] for r in csv.DictReader(f)} == {"masked"}
+    with (tmp_path / "curves.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(finished["history"])
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "plain-seed7" / "checkpoint.pt").read_bytes() == checkpoint
+    # Nothing finished to report: a one-line error naming what the folder holds.
+    assert compare.main([*argv, "--estimators", "plain", "--seeds", "7", "8", "--report"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no finished run of this comparison" in err
+    assert "not finished: plain-seed7" in err and "not started: plain-seed8" in err
     assert compare.main([*argv, "--report", "--output", str(tmp_path / "empty")]) == 2
-    assert "holds none of the runs" in capsys.readouterr().err
+    assert "holds no finished run" in capsys.readouterr().err
     assert compare.main(argv) == 0
-    assert "reusing 0 finished run(s), resuming 1, starting 1" in capsys.readouterr().out
+    assert "reusing 1 finished run(s), resuming 1, starting 0" in capsys.readouterr().out
     for name in ("masked-seed7", "plain-seed7"):
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert (summary["status"], summary["frames"]) == ("completed", 2048)
