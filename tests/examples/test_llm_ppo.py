@@ -217,7 +217,6 @@ def test_compare_one_seed_writes_table_csvs_png_and_resumes(tmp_path):
     assert (tmp_path / "summary.csv").read_text().splitlines() == summary_rows
     assert not (tmp_path / "masked-seed1").exists()
     assert (tmp_path / "masked-seed0" / "checkpoint.pt").stat().st_mtime_ns == mtime
-    # a larger budget than the runs had: they are reported as not finished
     # a larger budget than the runs had: not finished, so left out of every figure; with none
     # finished there is nothing to report, and the one-line error names what the folder holds
     larger = _masked_rl(*args, "--tokens", "100000", "--report")

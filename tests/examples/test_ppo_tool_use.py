@@ -390,9 +390,9 @@ def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys
     assert [(r["estimator"], int(r["frames"])) for r in rows] == [("masked", 2048)]
     finished = json.loads((tmp_path / "masked-seed7" / "summary.json").read_text())
     with (tmp_path / "curves.csv").open() as f:
-        assert {r["estimator"] for r in csv.DictReader(f)} == {"masked"}
-    with (tmp_path / "curves.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == len(finished["history"])
+        curves = list(csv.DictReader(f))
+    assert {r["estimator"] for r in curves} == {"masked"}
+    assert len(curves) == len(finished["history"])
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (tmp_path / "plain-seed7" / "checkpoint.pt").read_bytes() == checkpoint
     # Nothing finished to report: a one-line error naming what the folder holds.
