@@ -10,6 +10,7 @@ single-process function on the full rows.
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import time
 import traceback
@@ -774,6 +775,30 @@ def spawn_world(entry, world: int, out_dir: str, *, timeout_s: float = 4 * TIMEO
                 if process.is_alive():
                     process.kill()
             raise TimeoutError(f"the {world} ranks did not finish within {timeout_s} s")
+
+
+def run_torchrun(script: Path, *args: str, world: int = 2,
+                 timeout_s: float = 300) -> subprocess.CompletedProcess:
+    """``script`` under ``torch.distributed.run`` with ``world`` CPU processes, one thread each.
+
+    After ``timeout_s`` the launcher gets SIGTERM, on which it stops its workers before exiting
+    (killing the launcher alone would leave them, each in a session of its own, waiting on a
+    collective), and ``subprocess.TimeoutExpired`` is raised.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(world), str(script), *args]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def run_world(rank: int, world: int, init_file: str, out_dir: str) -> None:

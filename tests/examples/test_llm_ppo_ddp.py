@@ -4,22 +4,18 @@ per-rank mean (no dp_group) does not."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from distributed_worker import run_torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("transformers")
 
 
 def _run(*extra):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(REPO / "examples" / "llm_ppo_ddp.py"), "--iterations", "2", "--episodes", "4",
-               *extra]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    result = run_torchrun(REPO / "examples" / "llm_ppo_ddp.py", "--iterations", "2",
+                          "--episodes", "4", *extra)
     found = re.search(r"batch ([0-9.e+-]+) of the largest gradient \((matches|DIFFERS)", result.stdout)
     assert found, result.stdout[-2000:] + result.stderr[-3000:]
     counts = re.findall(r"trainable tokens per rank \[(\d+), (\d+)\]", result.stdout)
