@@ -135,17 +135,17 @@ def report(command: LLMCompareCommand) -> int:
                 unfinished.append(f"{name} ({reached})")
             else:
                 missing.append(name)
+    left_out = classic_utils.runs_left_out(unfinished, missing)
     if not summaries:
+        left_out = "".join(f"; {line}" for line in left_out)
         print(f"masked-rl llm-compare: error: {command.base.output!r} holds no finished run of "
-              f"this comparison (nothing to report{classic_utils.runs_left_out(unfinished, missing)})",
+              f"this comparison (nothing to report{left_out})",
               file=sys.stderr)
         return 2
     paths = write_outputs(summaries, Path(command.base.output))
     print(table(summaries))
-    if unfinished:
-        print(f"not finished, left out: {', '.join(unfinished)}")
-    if missing:
-        print(f"not started: {', '.join(missing)}")
+    for line in left_out:
+        print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -467,16 +467,16 @@ def report(command: CompareCommand) -> int:
             unfinished.append(f"{name} ({reached})")
         else:
             missing.append(name)
+    left_out = utils.runs_left_out(unfinished, missing)
     if not summaries:
+        left_out = "".join(f"; {line}" for line in left_out)
         print(f"masked-rl compare: error: {command.base.output!r} holds no finished run of this "
-              f"comparison (nothing to report{utils.runs_left_out(unfinished, missing)})",
+              f"comparison (nothing to report{left_out})",
               file=sys.stderr)
         return 2
     written = write_outputs(command, summaries)
-    if unfinished:
-        print(f"\nnot finished, left out: {', '.join(unfinished)}")
-    if missing:
-        print(f"\nnot started: {', '.join(missing)}")
+    for line in left_out:
+        print(f"\n{line}")
     print(f"\nWrote {', '.join(map(str, written))}.")
     return 0
 

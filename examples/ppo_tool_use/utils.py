@@ -474,8 +474,8 @@ def legend(ax, **kwargs) -> None:
         ax.legend(**kwargs)
 
 
-def runs_left_out(unfinished: list[str], missing: list[str]) -> str:
-    """``"; not finished: a, b; not started: c"`` for a report's error line (``""`` if none):
-    the runs of a comparison that its ``--report`` cannot count."""
-    return "".join(f"; {what}: {', '.join(names)}" for what, names in
-                   (("not finished", unfinished), ("not started", missing)) if names)
+def runs_left_out(unfinished: list[str], missing: list[str]) -> list[str]:
+    """``["not finished, left out: a, b", "not started: c"]`` (only the kinds that occur): the
+    runs of a comparison that its ``--report`` cannot count, one line per kind."""
+    return [f"{what}: {', '.join(names)}" for what, names in
+            (("not finished, left out", unfinished), ("not started", missing)) if names]

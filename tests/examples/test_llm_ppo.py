@@ -222,7 +222,7 @@ def test_compare_one_seed_writes_table_csvs_png_and_resumes(tmp_path):
     larger = _masked_rl(*args, "--tokens", "100000", "--report")
     assert larger.returncode == 2 and larger.stderr.count("\n") == 1, larger.stderr
     assert "holds no finished run of this comparison" in larger.stderr
-    assert "not finished: masked-seed0 (" in larger.stderr and " of 100,000 tokens)" in larger.stderr
+    assert "not finished, left out: masked-seed0 (" in larger.stderr and " of 100,000 tokens)" in larger.stderr
     assert (tmp_path / "summary.csv").read_text().splitlines() == summary_rows
     empty = _masked_rl("llm-compare", "--report", "--output", str(tmp_path / "empty"))
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1

@@ -399,7 +399,7 @@ def test_compare_resumes_what_an_interruption_left(tmp_path, monkeypatch, capsys
     assert compare.main([*argv, "--estimators", "plain", "--seeds", "7", "8", "--report"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds no finished run of this comparison" in err
-    assert "not finished: plain-seed7" in err and "not started: plain-seed8" in err
+    assert "not finished, left out: plain-seed7" in err and "not started: plain-seed8" in err
     assert compare.main([*argv, "--report", "--output", str(tmp_path / "empty")]) == 2
     assert "holds no finished run" in capsys.readouterr().err
     assert compare.main(argv) == 0
