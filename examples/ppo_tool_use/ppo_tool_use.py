@@ -563,8 +563,8 @@ def run_eval_command(command: EvalCommand) -> int:
           f"mean return {result['episode_return']:.3f}, mean length "
           f"{result['episode_length']:.1f} steps")
     if command.render:
-        print(utils.greedy_transcript(actor, cfg.env, seed=seed, max_steps=max_steps,
-                                      device=command.device, **cfg.env_kwargs()))
+        print(utils.greedy_transcript(actor, cfg.env, seed=seed, device=command.device,
+                                      **cfg.env_kwargs()))
     return 0
 
 

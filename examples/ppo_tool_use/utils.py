@@ -210,14 +210,15 @@ def evaluate(actor, env: EnvBase, *, seed: int, max_steps: int) -> dict[str, flo
     }
 
 
-def greedy_transcript(actor, env_id: str, *, seed: int, max_steps: int, device="cpu",
-                      **env_kwargs) -> str:
-    """The rendered transcript of one greedy episode of ``env_id``.
+def greedy_transcript(actor, env_id: str, *, seed: int, device="cpu", **env_kwargs) -> str:
+    """The rendered transcript of one greedy episode of ``env_id`` (``env_kwargs`` override the
+    id's constructor arguments, a ``max_steps`` among them).
 
     A gymnasium environment, seeded like :func:`evaluate`: with ``backend="gym"`` it is the
     first of the episodes that ``evaluate`` plays with the same ``seed`` (the batched backend
     draws its tasks from torch's generator instead of NumPy's).
     """
+    max_steps = episode_step_limit(env_id, **env_kwargs)
     env = make_torchrl_env(env_id, num_envs=1, device=device, render_mode="ansi", **env_kwargs)
     try:
         env.set_seed(seed)

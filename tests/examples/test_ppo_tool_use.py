@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -301,6 +302,19 @@ def test_eval_command_options(tmp_path, capsys):
     assert recipe.run_eval_command(command) == 0
     out = capsys.readouterr().out
     assert "checkpoint at 1024 frames" in out and "over 3 episodes (seed 11)" in out
+
+
+def test_eval_renders_a_run_with_overridden_tool_output_length(tmp_path, capsys):
+    """``--response-len`` overrides the id's step budget too: the transcript plays under it."""
+    summary = recipe.train(Config(**TINY_CONFIG, response_len=12, output=str(tmp_path)))
+    command = parse_eval_command([summary["run_dir"], "--render"])
+    assert recipe.run_eval_command(command) == 0
+    out = capsys.readouterr().out
+    assert f"greedy success {summary['final_success_rate']:.1%} over 8 episodes" in out
+    transcript = out.splitlines()[-1]
+    outputs = re.findall(r"\[((?:RESULT|ERROR) [^\]]*)\]", transcript)  # the last may be cut
+    assert transcript.startswith("[<bos>") and len(outputs) > 1, transcript
+    assert {len(output.split()) for output in outputs[:-1]} == {12}, transcript
 
 
 def test_recipe_script_from_its_folder_with_workers_stops_on_ctrl_c_and_resumes(tmp_path):
