@@ -137,9 +137,8 @@ def report(command: LLMCompareCommand) -> int:
                 missing.append(name)
     left_out = classic_utils.runs_left_out(unfinished, missing)
     if not summaries:
-        left_out = "".join(f"; {line}" for line in left_out)
         print(f"masked-rl llm-compare: error: {command.base.output!r} holds no finished run of "
-              f"this comparison (nothing to report{left_out})",
+              f"this comparison (nothing to report{''.join('; ' + line for line in left_out)})",
               file=sys.stderr)
         return 2
     paths = write_outputs(summaries, Path(command.base.output))

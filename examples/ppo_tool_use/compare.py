@@ -469,9 +469,8 @@ def report(command: CompareCommand) -> int:
             missing.append(name)
     left_out = utils.runs_left_out(unfinished, missing)
     if not summaries:
-        left_out = "".join(f"; {line}" for line in left_out)
         print(f"masked-rl compare: error: {command.base.output!r} holds no finished run of this "
-              f"comparison (nothing to report{left_out})",
+              f"comparison (nothing to report{''.join('; ' + line for line in left_out)})",
               file=sys.stderr)
         return 2
     written = write_outputs(command, summaries)
