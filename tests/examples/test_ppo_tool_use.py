@@ -575,3 +575,32 @@ def test_anneal_lr_decays_the_rate_linearly_batch_by_batch(tmp_path, monkeypatch
     weights = [torch.load(Path(s["run_dir"]) / "checkpoint.pt", weights_only=True)["actor"]
                for s in (annealed, constant)]
     assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_batch_costs_script_reads_an_unfinished_and_a_resumed_run(tmp_path, monkeypatch):
+    """``docs/scripts/batch_costs.py`` (the per-batch cost table of docs/experiments.md): one row
+    per batch from the run folder's logs, unfinished runs included, evaluations where they ran."""
+    script = Path(__file__).parents[2] / "docs" / "scripts" / "batch_costs.py"
+    cfg = Config(**RESUME_CONFIG, output=str(tmp_path))
+    at_batch(monkeypatch, 3, send_sigint)
+    assert recipe.train(cfg)["status"] == "interrupted"
+
+    def table() -> list[dict]:
+        out = tmp_path / "costs.csv"
+        done = subprocess.run([sys.executable, str(script), str(out), str(cfg.run_dir())],
+                              capture_output=True, text=True, check=True)
+        assert done.stdout.startswith(f"wrote {out}")
+        with out.open() as f:
+            return list(csv.DictReader(f))
+
+    partial = table()
+    assert [int(r["frames"]) for r in partial] == [512, 1024, 1536]
+    assert {r["run"] for r in partial} == {f"{tmp_path.name}/{cfg.run_dir().name}"}
+    assert all(float(r["update_s"]) > 0 and float(r["trainable_steps"]) > 0 for r in partial)
+    monkeypatch.undo()
+    assert recipe.train(cfg, resume=True)["status"] == "completed"
+    rows = table()
+    assert [int(r["frames"]) for r in rows] == list(range(512, 4097, 512))
+    assert [int(r["frames"]) for r in rows if r["eval_success"]] == [1024, 2048, 3072, 4096]
+    usage = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: ")
