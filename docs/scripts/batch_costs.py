@@ -6,7 +6,8 @@ Reads each run's ``scalars/time/{collect,update}.csv`` and ``scalars/train/{trai
 episodes,tool_calls}.csv`` (the recipe's CSV logger, one row per batch, keyed by frames) and
 ``scalars/eval/success_rate.csv``, finished or not, and writes ``run, frames, collect_s,
 update_s, trainable_steps, episodes, tool_calls, eval_success`` (``eval_success`` empty where no
-evaluation followed that batch). A resumed run may log a batch twice; the last row counts.
+evaluation followed that batch). A resumed run logs each batch once: the recipe cuts its logs
+back to the checkpoint it resumes from.
 """
 
 from __future__ import annotations
